@@ -1,0 +1,1 @@
+"""Global analysis of the whole-model TE program."""

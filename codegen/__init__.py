@@ -1,0 +1,1 @@
+"""Code generation: per-stage schedules, stitching into one function, target backends."""

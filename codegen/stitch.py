@@ -1,0 +1,216 @@
+"""The global TE program -> ONE PrimFunc.
+
+Each region is scheduled on its own (a plain PrimFunc from ``te.create_prim_func``),
+then its body is placed in the global function with its parameters re-declared
+as views (``DeclBuffer`` with ``data=address_of(...)``) into flat global buffers:
+model inputs, weights, outputs, and one scratch arena per dtype for tensors that
+cross regions. A scan becomes a serial ``For`` around its body's statements;
+weights that differ per iteration are stacked at compile time and viewed at
+``offset = i * size``, and carried state ping-pongs between two arena slots.
+The result is one function per model, whatever its depth, compiled once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import tvm
+from tvm import tirx
+
+from souffle.errors import GraphError
+from souffle.graph import Graph, TensorSpec
+from souffle.lower import LoopRegion, Region, TEProgram
+
+Scheduler = Callable[[tvm.tirx.PrimFunc], tvm.tirx.PrimFunc]
+
+
+@dataclass
+class BufferRef:
+    """A tensor's place: ``base`` (a flat global buffer) at element ``offset``."""
+
+    base: tirx.Buffer
+    offset: object  # int or PrimExpr in loop variables
+    spec: TensorSpec
+
+    def pointer(self):
+        return tirx.address_of(tirx.BufferLoad(self.base, [tirx.const(0, "int64") + self.offset]))
+
+    def element(self, i):
+        return tirx.BufferLoad(self.base, [self.offset + i])
+
+
+@dataclass
+class Arena:
+    """Scratch memory, one flat buffer per dtype; offsets handed out in order."""
+
+    sizes: dict[str, int] = field(default_factory=dict)
+    buffers: dict[str, tirx.Buffer] = field(default_factory=dict)
+
+    def alloc(self, spec: TensorSpec, count: int = 1) -> BufferRef:
+        dtype = spec.dtype
+        if dtype not in self.buffers:
+            self.buffers[dtype] = tirx.decl_buffer((tirx.Var(f"arena_{dtype}_n", "int64"),), dtype, name=f"arena_{dtype}")
+            self.sizes[dtype] = 0
+        offset = _align(self.sizes[dtype])
+        self.sizes[dtype] = offset + spec.size * count
+        return BufferRef(self.buffers[dtype], offset, spec)
+
+
+def _align(n: int, elements: int = 16) -> int:
+    return (n + elements - 1) // elements * elements
+
+
+@dataclass
+class StitchedProgram:
+    """The one PrimFunc and what the runtime must pass it, in parameter order."""
+
+    func: tirx.PrimFunc
+    inputs: list[TensorSpec]
+    weights: list[tuple[TensorSpec, np.ndarray]]  # includes per-scan stacked weights
+    outputs: list[TensorSpec]
+    arena_sizes: dict[str, int]
+    region_count: int
+    loop_count: int
+
+
+class _Stitcher:
+    def __init__(self, graph: Graph, scheduler: Scheduler):
+        self.graph = graph
+        self.scheduler = scheduler
+        self.arena = Arena()
+        self.weight_values: dict[str, np.ndarray] = dict(graph.weights or {})
+        self.weight_buffers: dict[str, tirx.Buffer] = {}
+        self.region_count = 0
+        self.loop_count = 0
+
+    def flat(self, spec: TensorSpec, name: str) -> tirx.Buffer:
+        return tirx.decl_buffer((spec.size,), spec.dtype, name=name)
+
+    def weight_ref(self, name: str, spec: TensorSpec) -> BufferRef:
+        if name not in self.weight_buffers:
+            self.weight_buffers[name] = self.flat(TensorSpec(name, self.weight_values[name].shape, spec.dtype), _c_name(name))
+        return BufferRef(self.weight_buffers[name], 0, spec)
+
+    def resolve(self, refs: dict[str, BufferRef], name: str) -> BufferRef:
+        """A tensor's place; top-level weights get a global buffer on first use."""
+        if name in refs:
+            return refs[name]
+        return self.weight_ref(name, self.graph.params[name])
+
+    def copy(self, src: BufferRef, dst: BufferRef) -> tirx.Stmt:
+        i = tirx.Var("i", "int64")
+        store = tirx.BufferStore(dst.base, src.element(i), [dst.offset + i])
+        return tirx.For(i, 0, src.spec.size, tirx.ForKind.SERIAL, store)
+
+    def region(self, region: Region, refs: dict[str, BufferRef]) -> tirx.Stmt:
+        self.region_count += 1
+        func = self.scheduler(region.prim_func())
+        names = region.inputs + region.outputs
+        decls = [tirx.DeclBuffer(param, data=self.resolve(refs, name).pointer()) for param, name in zip(func.params, names)]
+        return tirx.SeqStmt(decls + [func.body])
+
+    def program(self, program: TEProgram, refs: dict[str, BufferRef]) -> list[tirx.Stmt]:
+        stmts: list[tirx.Stmt] = []
+        for region in program.regions:
+            if isinstance(region, LoopRegion):
+                stmts.extend(self.loop(region, program.graph, refs))
+                continue
+            for name in region.outputs:
+                if name not in refs:
+                    refs[name] = self.arena.alloc(program.graph.tensors[name])
+            stmts.append(self.region(region, refs))
+        return stmts
+
+    def loop(self, region: LoopRegion, graph: Graph, refs: dict[str, BufferRef]) -> list[tirx.Stmt]:
+        """A scan as a serial loop; carried state ping-pongs between two arena slots."""
+        self.loop_count += 1
+        scan, body = region.scan, region.body.graph
+        i = tirx.Var(f"{region.name}_i", "int64")
+        before: list[tirx.Stmt] = []
+        after_body: list[tirx.Stmt] = []
+        after_loop: list[tirx.Stmt] = []
+        body_refs: dict[str, BufferRef] = {}
+        for body_in, body_out, init, final in scan.carry:
+            spec = body.tensors[body_in]
+            slots = self.arena.alloc(spec, count=2)
+            slot_at = lambda k, s=slots, sp=spec: BufferRef(s.base, s.offset + (k % 2) * sp.size, sp)
+            before.append(self.copy(self.resolve(refs, init), slot_at(0)))
+            body_refs[body_in] = BufferRef(slots.base, slots.offset + tirx.floormod(i, 2) * spec.size, spec)
+            next_slot = BufferRef(slots.base, slots.offset + tirx.floormod(i + 1, 2) * spec.size, spec)
+            if body_out in body_refs:
+                after_body.append(self.copy(body_refs[body_out], next_slot))
+            else:
+                body_refs[body_out] = next_slot
+            if final in refs:  # bound to a graph output buffer
+                after_loop.append(self.copy(slot_at(scan.length), refs[final]))
+            else:
+                refs[final] = slot_at(scan.length)
+        for body_in, seq in scan.xs:
+            spec = body.tensors[body_in]
+            source = self.resolve(refs, seq)
+            body_refs[body_in] = BufferRef(source.base, source.offset + i * spec.size, spec)
+        for body_in, name in scan.invariants:
+            source = self.resolve(refs, name)
+            body_refs[body_in] = BufferRef(source.base, source.offset, body.tensors[body_in])
+        for body_param, names in scan.params:
+            spec = body.params[body_param]
+            if len(set(names)) == 1:
+                source = self.resolve(refs, names[0])
+                body_refs[body_param] = BufferRef(source.base, source.offset, spec)
+                continue
+            stacked_name = f"{scan.name}/{body_param}"
+            unknown = [n for n in names if n not in self.weight_values]
+            if unknown:
+                raise GraphError(
+                    f"scan {scan.name!r}: parameter {body_param!r} varies per iteration, so each binding "
+                    f"must be a model weight; {unknown[0]!r} is not"
+                )
+            if stacked_name not in self.weight_values:
+                self.weight_values[stacked_name] = np.stack([self.weight_values[n] for n in names])
+            stacked = self.weight_ref(stacked_name, spec)
+            body_refs[body_param] = BufferRef(stacked.base, i * spec.size, spec)
+        for body_out, seq in scan.ys:
+            spec = body.tensors[body_out]
+            if seq not in refs:
+                refs[seq] = self.arena.alloc(graph.tensors[seq])
+            target = BufferRef(refs[seq].base, refs[seq].offset + i * spec.size, spec)
+            if body_out in body_refs:
+                after_body.append(self.copy(body_refs[body_out], target))
+            else:
+                body_refs[body_out] = target
+        body_stmts = self.program(region.body, body_refs) + after_body
+        return before + [tirx.For(i, 0, scan.length, tirx.ForKind.SERIAL, tirx.SeqStmt(body_stmts))] + after_loop
+
+
+def _c_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+
+
+def stitch(program: TEProgram, scheduler: Scheduler) -> StitchedProgram:
+    """One PrimFunc for the whole program, each region scheduled by ``scheduler``."""
+    graph = program.graph
+    st = _Stitcher(graph, scheduler)
+    refs: dict[str, BufferRef] = {}
+    input_buffers = [st.flat(spec, _c_name(spec.name)) for spec in graph.inputs]
+    for spec, buf in zip(graph.inputs, input_buffers):
+        refs[spec.name] = BufferRef(buf, 0, spec)
+    output_specs = graph.output_specs()
+    output_buffers = [st.flat(spec, f"out{k}_{_c_name(spec.name)}") for k, spec in enumerate(output_specs)]
+    copies_at_end = []
+    for spec, buf in zip(output_specs, output_buffers):
+        ref = BufferRef(buf, 0, spec)
+        if spec.name in refs or spec.name in graph.params:  # an input, a weight, or listed twice
+            copies_at_end.append((spec.name, ref))
+        else:
+            refs[spec.name] = ref
+    stmts = st.program(program, refs)
+    stmts += [st.copy(st.resolve(refs, name), dst) for name, dst in copies_at_end]
+    weights = [(TensorSpec(n, st.weight_values[n].shape, str(st.weight_values[n].dtype)), st.weight_values[n])
+               for n in st.weight_buffers]
+    arenas = list(st.arena.buffers.values())
+    params = input_buffers + list(st.weight_buffers.values()) + output_buffers + arenas
+    func = tirx.PrimFunc(params, tirx.SeqStmt(stmts)).with_attr("global_symbol", "main")
+    return StitchedProgram(func, list(graph.inputs), weights, output_specs,
+                           dict(st.arena.sizes), st.region_count, st.loop_count)

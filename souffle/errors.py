@@ -1,0 +1,36 @@
+"""Errors a user of Souffle can get, each naming the problem in its message.
+
+Every user-facing failure is one of these, never a TVM stack dump: catch
+``SouffleError`` to catch them all.
+"""
+
+
+class SouffleError(Exception):
+    """Base class of every error Souffle raises on bad input."""
+
+
+class GraphError(SouffleError, ValueError):
+    """A malformed graph: unknown op, dangling tensor, shape or dtype mismatch."""
+
+
+class UnknownOpError(GraphError):
+    """An op kind with no registered lowering."""
+
+
+class WeightError(SouffleError, ValueError):
+    """Weights that do not fit the model: missing, extra or mis-shaped arrays."""
+
+
+class InputError(SouffleError, ValueError):
+    """Run-time inputs of the wrong number, shape or dtype."""
+
+
+class UnknownModelError(SouffleError, KeyError):
+    """A model name or configuration that is not registered."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
+class TargetError(SouffleError, RuntimeError):
+    """A compilation target that is unknown or not available on this machine."""

@@ -1,0 +1,392 @@
+"""The graph IR: tensors, ops, parameters, and scans (repeated bodies).
+
+A ``Graph`` is validated when it is built: every op kind must be registered,
+every tensor an op reads must exist before it, and every op's input shapes and
+dtypes must satisfy its rule (``souffle.ops``). Repeated structure (an LSTM's
+time steps and layers, BERT's identical encoder layers) is a ``Scan`` whose
+body is itself a ``Graph``: it is lowered once and looped, so a 1,000-cell LSTM
+compiles as fast as one cell while staying one program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from souffle.errors import GraphError, WeightError
+
+SUPPORTED_DTYPES = ("float32", "float16", "int32", "int64")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's name, static shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise GraphError(
+                f"tensor {self.name!r}: dtype {self.dtype!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_DTYPES)})"
+            )
+        if any(d <= 0 for d in self.shape):
+            raise GraphError(f"tensor {self.name!r}: shape {self.shape} has a non-positive dimension")
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def __str__(self):
+        return f"{self.name}: {self.dtype}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One application of a registered op kind: named inputs -> named outputs."""
+
+    kind: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: Mapping[str, object] = field(default_factory=dict, hash=False)
+
+    def __str__(self):
+        attrs = ", ".join(f"{k}={v}" for k, v in self.attrs.items())
+        return f"{', '.join(self.outputs)} = {self.kind}({', '.join(self.inputs)}{'; ' + attrs if attrs else ''})"
+
+
+@dataclass(frozen=True)
+class Scan:
+    """A body graph applied ``length`` times, like ``jax.lax.scan``.
+
+    carry:      (body input, body output, outer initial value, outer final value);
+                iteration i reads the carry iteration i-1 wrote.
+    xs:         (body input, outer tensor of shape (length, *body input shape)); slice i.
+    ys:         (body output, outer tensor of shape (length, *body output shape)); slice i.
+    invariants: (body input, outer tensor) read unchanged by every iteration.
+    params:     (body parameter, outer weight names, one per iteration); stacked at
+                compile time so iteration i reads its own layer's weights.
+    """
+
+    name: str
+    body: "Graph"
+    length: int
+    carry: tuple[tuple[str, str, str, str], ...] = ()
+    xs: tuple[tuple[str, str], ...] = ()
+    ys: tuple[tuple[str, str], ...] = ()
+    invariants: tuple[tuple[str, str], ...] = ()
+    params: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    kind = "scan"
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        names = [c[2] for c in self.carry] + [x[1] for x in self.xs] + [v[1] for v in self.invariants]
+        for _, outer in self.params:
+            names.extend(outer)
+        return tuple(names)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return tuple(c[3] for c in self.carry) + tuple(y[1] for y in self.ys)
+
+    @property
+    def attrs(self) -> Mapping[str, object]:
+        return {"length": self.length}
+
+    def __str__(self):
+        body = "\n".join("    " + line for line in str(self.body).splitlines())
+        return f"{', '.join(self.outputs)} = scan[{self.name}, length={self.length}](\n{body}\n)"
+
+
+class Graph:
+    """A validated dataflow graph with parameters.
+
+    ``weights`` holds the parameter arrays of a top-level graph (a scan body has
+    parameter specs only: its values come from the scan's stacked weights).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        inputs: Sequence[TensorSpec],
+        params: Sequence[TensorSpec],
+        ops: Sequence[Op | Scan],
+        outputs: Sequence[str],
+        weights: Mapping[str, np.ndarray] | None = None,
+    ):
+        self.name = name
+        self.inputs = tuple(inputs)
+        self.params = {p.name: p for p in params}
+        self.ops = tuple(ops)
+        self.outputs = tuple(outputs)
+        self.tensors: dict[str, TensorSpec] = {}
+        self.producer: dict[str, Op | Scan] = {}
+        self._validate()
+        self.weights = None if weights is None else self._checked_weights(weights)
+
+    # -- validation -------------------------------------------------------------------------
+    def _define(self, spec: TensorSpec, what: str):
+        if spec.name in self.tensors:
+            raise GraphError(f"graph {self.name!r}: tensor {spec.name!r} ({what}) is defined twice")
+        self.tensors[spec.name] = spec
+
+    def _lookup(self, name: str, user: str) -> TensorSpec:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise GraphError(
+                f"graph {self.name!r}: {user} reads tensor {name!r}, which is not an input, "
+                f"a parameter or the output of an earlier op"
+            ) from None
+
+    def _validate(self):
+        from souffle.ops import infer_outputs
+
+        for spec in self.inputs:
+            self._define(spec, "input")
+        for spec in self.params.values():
+            self._define(spec, "parameter")
+        for op in self.ops:
+            in_specs = [self._lookup(n, f"op {op.outputs[0]!r} ({op.kind})") for n in op.inputs]
+            if isinstance(op, Scan):
+                out_specs = _infer_scan(op, in_specs)
+            else:
+                out_specs = infer_outputs(op.kind, in_specs, op.attrs, op.outputs[0])
+                if len(out_specs) != len(op.outputs):
+                    raise GraphError(
+                        f"op {op.outputs[0]!r} ({op.kind}) produces {len(out_specs)} outputs, "
+                        f"but {len(op.outputs)} names were given"
+                    )
+            for name, (shape, dtype) in zip(op.outputs, out_specs):
+                self._define(TensorSpec(name, shape, dtype), f"output of {op.kind}")
+                self.producer[name] = op
+        if not self.outputs:
+            raise GraphError(f"graph {self.name!r} has no outputs")
+        for name in self.outputs:
+            self._lookup(name, "the graph's output list")
+
+    def _checked_weights(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        missing = sorted(set(self.params) - set(weights))
+        extra = sorted(set(weights) - set(self.params))
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing {len(missing)}: {_short_list(missing)}")
+            if extra:
+                parts.append(f"unexpected {len(extra)}: {_short_list(extra)}")
+            raise WeightError(f"weights for {self.name!r} do not match its parameters ({'; '.join(parts)})")
+        checked = {}
+        for name, spec in self.params.items():
+            array = np.asarray(weights[name])
+            if tuple(array.shape) != spec.shape:
+                raise WeightError(
+                    f"weight {name!r} of {self.name!r} has shape {tuple(array.shape)}, expected {spec.shape}"
+                )
+            if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+                raise WeightError(f"weight {name!r} of {self.name!r} has non-numeric dtype {array.dtype}")
+            checked[name] = np.ascontiguousarray(array, dtype=spec.dtype)
+        return checked
+
+    # -- convenience ------------------------------------------------------------------------
+    def with_weights(self, weights: Mapping[str, np.ndarray]) -> "Graph":
+        """The same graph with other weights (e.g. a PyTorch state_dict as numpy arrays)."""
+        return Graph(self.name, self.inputs, self.params.values(), self.ops, self.outputs, weights)
+
+    def output_specs(self) -> list[TensorSpec]:
+        return [self.tensors[n] for n in self.outputs]
+
+    def op_count(self, executed: bool = False) -> int:
+        """Ops in the graph; with ``executed``, scan bodies count once per iteration."""
+        total = 0
+        for op in self.ops:
+            if isinstance(op, Scan):
+                total += op.body.op_count(executed) * (op.length if executed else 1)
+            else:
+                total += 1
+        return total
+
+    def __str__(self):
+        lines = [f"graph {self.name}("]
+        lines += [f"  input {s}" for s in self.inputs]
+        lines += [f"  param {s}" for s in self.params.values()]
+        lines.append(")")
+        lines += [f"  {op}" for op in self.ops]
+        lines.append(f"  return {', '.join(self.outputs)}")
+        return "\n".join(lines)
+
+
+def _short_list(names: list[str], limit: int = 5) -> str:
+    head = ", ".join(repr(n) for n in names[:limit])
+    return head + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _infer_scan(scan: Scan, in_specs: list[TensorSpec]) -> list[tuple[tuple[int, ...], str]]:
+    """Check a scan's bindings against its body and return its outputs' (shape, dtype)."""
+    body = scan.body
+    where = f"scan {scan.name!r}"
+    if scan.length < 1:
+        raise GraphError(f"{where}: length must be >= 1, got {scan.length}")
+    outer = {s.name: s for s in in_specs}
+    body_inputs = {s.name: s for s in body.inputs}
+    bound = [c[0] for c in scan.carry] + [x[0] for x in scan.xs] + [v[0] for v in scan.invariants]
+    if sorted(bound) != sorted(body_inputs):
+        raise GraphError(
+            f"{where}: body inputs {sorted(body_inputs)} must each be bound once as carry, xs or "
+            f"invariant; bound: {sorted(bound)}"
+        )
+    bound_params = [p[0] for p in scan.params]
+    if sorted(bound_params) != sorted(body.params):
+        raise GraphError(f"{where}: body parameters {sorted(body.params)} must each be bound; bound: {sorted(bound_params)}")
+
+    def expect(name: str, shape, dtype, what: str):
+        spec = outer[name]
+        if spec.shape != tuple(shape) or spec.dtype != dtype:
+            raise GraphError(f"{where}: {what} {name!r} is {spec.dtype}{list(spec.shape)}, expected {dtype}{list(shape)}")
+
+    for body_in, body_out, init, _ in scan.carry:
+        spec = body_inputs[body_in]
+        out_spec = body.tensors.get(body_out)
+        if body_out not in body.outputs or out_spec is None:
+            raise GraphError(f"{where}: carry output {body_out!r} is not an output of the body")
+        if (out_spec.shape, out_spec.dtype) != (spec.shape, spec.dtype):
+            raise GraphError(f"{where}: carry {body_in!r} is {spec.dtype}{list(spec.shape)} but the body returns {out_spec}")
+        expect(init, spec.shape, spec.dtype, "initial carry")
+    for body_in, seq in scan.xs:
+        spec = body_inputs[body_in]
+        expect(seq, (scan.length,) + spec.shape, spec.dtype, "scanned input")
+    for body_in, name in scan.invariants:
+        spec = body_inputs[body_in]
+        expect(name, spec.shape, spec.dtype, "invariant input")
+    for body_param, names in scan.params:
+        spec = body.params[body_param]
+        if len(names) != scan.length:
+            raise GraphError(f"{where}: parameter {body_param!r} is bound to {len(names)} weights, expected {scan.length}")
+        for name in names:
+            expect(name, spec.shape, spec.dtype, f"weight for {body_param!r}")
+    outputs = [(body_inputs[c[0]].shape, body_inputs[c[0]].dtype) for c in scan.carry]
+    for body_out, _ in scan.ys:
+        if body_out not in body.outputs:
+            raise GraphError(f"{where}: scanned output {body_out!r} is not an output of the body")
+        spec = body.tensors[body_out]
+        outputs.append(((scan.length,) + spec.shape, spec.dtype))
+    return outputs
+
+
+class GraphBuilder:
+    """Builds a ``Graph`` op by op, checking each op as it is added.
+
+    >>> b = GraphBuilder("mlp")
+    >>> x = b.input("x", (1, 4))
+    >>> w = b.param("fc.weight", np.ones((3, 4), "float32"))
+    >>> y = b.op("dense", x, w)
+    >>> g = b.build(y)
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._inputs: list[TensorSpec] = []
+        self._params: list[TensorSpec] = []
+        self._weights: dict[str, np.ndarray] = {}
+        self._ops: list[Op | Scan] = []
+        self._specs: dict[str, TensorSpec] = {}
+        self._counter = 0
+
+    def _fresh(self, base: str) -> str:
+        while True:
+            self._counter += 1
+            name = f"{base}_{self._counter}"
+            if name not in self._specs:
+                return name
+
+    def _add_spec(self, spec: TensorSpec):
+        if spec.name in self._specs:
+            raise GraphError(f"graph {self.name!r}: tensor {spec.name!r} is defined twice")
+        self._specs[spec.name] = spec
+
+    def spec(self, name: str) -> TensorSpec:
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise GraphError(f"graph {self.name!r}: no tensor named {name!r}") from None
+
+    def input(self, name: str, shape: Iterable[int], dtype: str = "float32") -> str:
+        spec = TensorSpec(name, tuple(shape), dtype)
+        self._add_spec(spec)
+        self._inputs.append(spec)
+        return name
+
+    def param(self, name: str, value, dtype: str | None = None) -> str:
+        """A parameter from an array (top-level graphs) or a shape (scan bodies)."""
+        if isinstance(value, np.ndarray):
+            spec = TensorSpec(name, value.shape, dtype or str(value.dtype))
+            self._weights[name] = value
+        else:
+            spec = TensorSpec(name, tuple(value), dtype or "float32")
+        self._add_spec(spec)
+        self._params.append(spec)
+        return name
+
+    def op(self, kind: str, *inputs: str, name: str | None = None, n_outputs: int | None = None, **attrs):
+        """Add an op; returns its output name (or a tuple of names for several outputs)."""
+        from souffle.ops import infer_outputs
+
+        in_specs = [self.spec(n) for n in inputs]
+        base = name or kind
+        out_specs = infer_outputs(kind, in_specs, attrs, base)
+        if n_outputs is not None and n_outputs != len(out_specs):
+            raise GraphError(f"op {base!r} ({kind}) produces {len(out_specs)} outputs, not {n_outputs}")
+        if len(out_specs) == 1:
+            names = [name or self._fresh(kind)]
+        else:
+            stem = name or self._fresh(kind)
+            names = [f"{stem}.{i}" for i in range(len(out_specs))]
+        for n, (shape, dtype) in zip(names, out_specs):
+            self._add_spec(TensorSpec(n, shape, dtype))
+        self._ops.append(Op(kind, tuple(inputs), tuple(names), dict(attrs)))
+        return names[0] if len(names) == 1 else tuple(names)
+
+    def scan(
+        self,
+        body: Graph,
+        length: int,
+        *,
+        name: str | None = None,
+        carry: Sequence[tuple[str, str, str]] = (),
+        xs: Sequence[tuple[str, str]] = (),
+        ys: Sequence[str] = (),
+        invariants: Sequence[tuple[str, str]] = (),
+        params: Mapping[str, Sequence[str]] | None = None,
+    ) -> tuple[list[str], list[str]]:
+        """Add a scan. ``carry`` is (body input, body output, outer init); ``ys`` are body
+        outputs to stack. Returns (final carry names, stacked output names)."""
+        stem = name or self._fresh("scan")
+        carry4 = tuple((bi, bo, init, f"{stem}.{bi}") for bi, bo, init in carry)
+        ys2 = tuple((bo, f"{stem}.{bo}") for bo in ys)
+        scan = Scan(
+            stem, body, int(length), carry4, tuple(xs), ys2, tuple(invariants),
+            tuple((p, tuple(names)) for p, names in (params or {}).items()),
+        )
+        in_specs = [self.spec(n) for n in scan.inputs]
+        for n, (shape, dtype) in zip(scan.outputs, _infer_scan(scan, in_specs)):
+            self._add_spec(TensorSpec(n, shape, dtype))
+        self._ops.append(scan)
+        return [c[3] for c in carry4], [y[1] for y in ys2]
+
+    def build(self, *outputs: str) -> Graph:
+        if len(self._weights) == len(self._params):
+            weights = self._weights
+        elif not self._weights:
+            weights = None
+        else:
+            raise GraphError(f"graph {self.name!r}: give every parameter an array, or none (a scan body)")
+        return Graph(self.name, self._inputs, self._params, self._ops, outputs, weights)
