@@ -26,6 +26,7 @@ class Region:
     inputs: list[str]  # tensors read from outside (graph inputs, parameters, earlier regions)
     outputs: list[str]  # tensors read after the region or returned by the graph
     tensors: dict[str, te.Tensor]  # every graph tensor of the region -> its TE tensor
+    op_of: dict = field(default_factory=dict)  # TE operation -> the graph Op that created it
 
     @property
     def placeholders(self) -> list[te.Tensor]:
@@ -92,6 +93,14 @@ class TEProgram:
 
     def te_count(self) -> int:
         return len(self.stages())
+
+    def op_of(self, tensor: te.Tensor) -> Op | None:
+        """The graph op whose lowering created this TE."""
+        for region in self.regions:
+            found = region.body.op_of(tensor) if isinstance(region, LoopRegion) else region.op_of.get(tensor.op)
+            if found is not None:
+                return found
+        return None
 
     def producers(self, tensor: te.Tensor) -> list[te.Tensor]:
         """The TEs whose values ``tensor`` reads, across region and loop boundaries."""
@@ -178,6 +187,7 @@ def _lower_region(graph: Graph, name: str, ops: list[Op], needed_after: set[str]
     tensors: dict[str, te.Tensor] = {}
     inputs: list[str] = []
     produced: list[str] = []
+    op_of: dict = {}
     for op in ops:
         te_inputs = []
         for tensor_name in op.inputs:
@@ -191,5 +201,15 @@ def _lower_region(graph: Graph, name: str, ops: list[Op], needed_after: set[str]
                 result = te.compute(result.shape, lambda *i, r=result: r(*i), name=_te_name(tensor_name))
             tensors[tensor_name] = result
             produced.append(tensor_name)
+            _claim_stages(result, op, op_of)
     outputs = [n for n in produced if n in needed_after]
-    return Region(name, ops, inputs, outputs, tensors)
+    return Region(name, ops, inputs, outputs, tensors, op_of)
+
+
+def _claim_stages(tensor: te.Tensor, op: Op, op_of: dict):
+    """Record ``op`` as the origin of every compute TE its lowering created."""
+    if not isinstance(tensor.op, te.ComputeOp) or tensor.op in op_of:
+        return
+    op_of[tensor.op] = op
+    for producer in tensor.op.input_tensors:
+        _claim_stages(producer, op, op_of)
