@@ -1,0 +1,107 @@
+"""The model zoo: each paper model as a Graph with PyTorch-named weights and a PyTorch reference.
+
+Every model module (``souffle.models.<name>``) offers the same interface:
+
+- ``CONFIGS``: ``{"tiny": {...}, "paper": {...}}``, the tiny one fast enough for the default tests;
+- ``IGNORED_SUFFIXES``: state_dict keys that are buffers, not parameters (e.g. BatchNorm's
+  ``num_batches_tracked``), dropped from given weights so a real state_dict loads as it is;
+- ``init_weights(cfg, seed)``: deterministic float32 weights keyed by state_dict name;
+- ``build_graph(cfg, weights)``: the Graph; parameters are declared by shape and ``weights``
+  attached with ``Graph.with_weights``, so missing, extra or mis-shaped weights raise WeightError;
+- ``make_inputs(cfg, seed)``: inputs keyed by the graph's input names;
+- ``torch_reference(cfg, weights)``: ``inputs -> outputs`` in graph output order, by PyTorch;
+- ``TOLERANCE``: ``{config: (rtol, atol)}`` for comparing the two.
+
+Modules are imported lazily, so building one model never imports another's dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Callable, Mapping
+
+import numpy as np
+
+from souffle.errors import SouffleError, UnknownModelError
+from souffle.graph import Graph
+
+MODELS = ("lstm", "bert", "resnext", "mmoe")
+
+__all__ = ["MODELS", "get", "build", "config", "make_inputs", "reference", "tolerance"]
+
+
+def get(name: str) -> ModuleType:
+    """The module that defines model ``name``."""
+    if name not in MODELS:
+        raise UnknownModelError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
+    return importlib.import_module(f"souffle.models.{name}")
+
+
+def config(name: str, config: str = "tiny") -> dict:
+    """The configuration dict of model ``name`` (a copy: editing it changes nothing here)."""
+    return _config(name, config)
+
+
+def build(name: str, config: str = "tiny", seed: int = 0, weights: Mapping[str, object] | None = None) -> Graph:
+    """Model ``name`` as a Graph with random weights from ``seed``, or with ``weights``.
+
+    ``weights`` may be any mapping of array-likes, e.g. a PyTorch ``state_dict``; keys ending
+    in the model's ``IGNORED_SUFFIXES`` are dropped, everything else must match exactly.
+    """
+    module = get(name)
+    cfg = _config(name, config)
+    if weights is None:
+        weights = module.init_weights(cfg, seed)
+    else:
+        weights = _parameters(module, weights)
+    return module.build_graph(cfg, weights)
+
+
+def make_inputs(name: str, config: str = "tiny", seed: int = 0) -> dict[str, np.ndarray]:
+    """Random inputs for model ``name``, keyed by the graph's input names."""
+    return get(name).make_inputs(_config(name, config), seed)
+
+
+def reference(name: str, config: str, weights: Mapping[str, object]) -> Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]:
+    """A function computing model ``name``'s outputs with PyTorch, in graph output order."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SouffleError(
+            "the PyTorch reference needs torch; install it with `pip install torch==2.13.0`"
+        ) from None
+    module = get(name)
+    return module.torch_reference(_config(name, config), _parameters(module, weights))
+
+
+def tolerance(name: str, config: str = "tiny") -> tuple[float, float]:
+    """(rtol, atol) within which Souffle's outputs must match the PyTorch reference."""
+    _config(name, config)
+    return tuple(get(name).TOLERANCE[config])
+
+
+def _config(name: str, config: str) -> dict:
+    configs = get(name).CONFIGS
+    if config not in configs:
+        raise UnknownModelError(
+            f"unknown config {config!r} for model {name!r}; available: {', '.join(configs)}"
+        )
+    return dict(configs[config])
+
+
+def _parameters(module: ModuleType, weights: Mapping[str, object]) -> dict[str, np.ndarray]:
+    """Weights as numpy arrays, without the keys the model ignores (buffers)."""
+    ignored = tuple(module.IGNORED_SUFFIXES)
+    return {
+        key: _to_numpy(value)
+        for key, value in weights.items()
+        if not (ignored and key.endswith(ignored))
+    }
+
+
+def _to_numpy(value: object) -> np.ndarray:
+    """An array-like (numpy, list, torch tensor on any device) as a numpy array."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)

@@ -1,0 +1,154 @@
+"""A stacked LSTM with torch.nn.LSTM's semantics and state_dict (the paper's LSTM: 10 x 100 cells).
+
+The cells are never unrolled: layer 0 is a scan over time whose body is one cell, and layers
+1..L-1 are a scan over layers (each iteration binding its own layer's weights) whose body holds
+the scan over time. So the graph has one cell however many layers and steps the config has,
+and compiles as fast as one cell.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from souffle.graph import Graph, GraphBuilder
+
+CONFIGS = {
+    "tiny": {"input_size": 12, "hidden_size": 16, "num_layers": 3, "steps": 5, "batch": 1},
+    "paper": {"input_size": 256, "hidden_size": 256, "num_layers": 10, "steps": 100, "batch": 1},
+}
+
+IGNORED_SUFFIXES = ()
+
+TOLERANCE = {"tiny": (1e-4, 1e-4), "paper": (1e-4, 1e-4)}
+
+
+def _layer_shapes(cfg: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    """torch.nn.LSTM's parameter shapes for one layer, gates stacked in order i, f, g, o."""
+    hidden = cfg["hidden_size"]
+    inputs = cfg["input_size"] if layer == 0 else hidden
+    return {
+        f"weight_ih_l{layer}": (4 * hidden, inputs),
+        f"weight_hh_l{layer}": (4 * hidden, hidden),
+        f"bias_ih_l{layer}": (4 * hidden,),
+        f"bias_hh_l{layer}": (4 * hidden,),
+    }
+
+
+def init_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
+    """Uniform(-1/sqrt(H), 1/sqrt(H)) like torch.nn.LSTM, so gates stay in their active range."""
+    rng = np.random.default_rng(seed)
+    bound = 1.0 / np.sqrt(cfg["hidden_size"])
+    weights = {}
+    for layer in range(cfg["num_layers"]):
+        for name, shape in _layer_shapes(cfg, layer).items():
+            weights[name] = rng.uniform(-bound, bound, shape).astype(np.float32)
+    return weights
+
+
+def make_inputs(cfg: dict, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (cfg["steps"], cfg["batch"], cfg["input_size"])
+    return {"x": rng.standard_normal(shape).astype(np.float32)}
+
+
+def _cell(input_size: int, hidden: int, batch: int) -> Graph:
+    """One LSTM cell: (x_t, h, c) -> (h_next, c_next); weights are inputs so that a time scan
+    binds them as invariants (the same weights at every step)."""
+    b = GraphBuilder("lstm_cell")
+    x_t = b.input("x_t", (batch, input_size))
+    h = b.input("h", (batch, hidden))
+    c = b.input("c", (batch, hidden))
+    w_ih = b.input("w_ih", (4 * hidden, input_size))
+    w_hh = b.input("w_hh", (4 * hidden, hidden))
+    b_ih = b.input("b_ih", (4 * hidden,))
+    b_hh = b.input("b_hh", (4 * hidden,))
+    gates = b.op("add", b.op("dense", x_t, w_ih, b_ih), b.op("dense", h, w_hh, b_hh), name="gates")
+    i, f, g, o = (
+        b.op("slice", gates, begin=k * hidden, end=(k + 1) * hidden, axis=1, name=f"gate_{gate}")
+        for k, gate in enumerate("ifgo")
+    )
+    c_next = b.op(
+        "add",
+        b.op("mul", b.op("sigmoid", f), c),
+        b.op("mul", b.op("sigmoid", i), b.op("tanh", g)),
+        name="c_next",
+    )
+    h_next = b.op("mul", b.op("sigmoid", o), b.op("tanh", c_next), name="h_next")
+    return b.build(h_next, c_next)
+
+
+def _time_scan(b: GraphBuilder, cell: Graph, cfg: dict, sequence: str, weights: tuple[str, str, str, str], name: str):
+    """Run ``cell`` over ``sequence`` from a zero state; returns (final h, final c, all h)."""
+    zeros = b.op("full", shape=(cfg["batch"], cfg["hidden_size"]), value=0.0, dtype="float32", name=f"{name}.zeros")
+    (h_final, c_final), (outputs,) = b.scan(
+        cell,
+        cfg["steps"],
+        name=name,
+        carry=[("h", "h_next", zeros), ("c", "c_next", zeros)],
+        xs=[("x_t", sequence)],
+        ys=["h_next"],
+        invariants=list(zip(("w_ih", "w_hh", "b_ih", "b_hh"), weights)),
+    )
+    return h_final, c_final, outputs
+
+
+def _layer_body(cfg: dict) -> Graph:
+    """Layers 1..L-1: the whole (T, B, H) sequence in, the next layer's sequence out, plus that
+    layer's final h and c (stacked over layers by the enclosing scan)."""
+    hidden, batch = cfg["hidden_size"], cfg["batch"]
+    b = GraphBuilder("lstm_layer")
+    sequence = b.input("sequence", (cfg["steps"], batch, hidden))
+    weights = (
+        b.param("weight_ih", (4 * hidden, hidden)),
+        b.param("weight_hh", (4 * hidden, hidden)),
+        b.param("bias_ih", (4 * hidden,)),
+        b.param("bias_hh", (4 * hidden,)),
+    )
+    h_final, c_final, outputs = _time_scan(b, _cell(hidden, hidden, batch), cfg, sequence, weights, "time")
+    return b.build(outputs, h_final, c_final)
+
+
+def build_graph(cfg: dict, weights: dict[str, np.ndarray]) -> Graph:
+    """Outputs (output, h_n, c_n) as torch.nn.LSTM returns them, from input ``x`` (T, B, I)."""
+    hidden, batch, layers = cfg["hidden_size"], cfg["batch"], cfg["num_layers"]
+    b = GraphBuilder("lstm")
+    x = b.input("x", (cfg["steps"], batch, cfg["input_size"]))
+    for layer in range(layers):
+        for name, shape in _layer_shapes(cfg, layer).items():
+            b.param(name, shape)
+
+    layer0 = tuple(f"{kind}_l0" for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+    h_final, c_final, output = _time_scan(b, _cell(cfg["input_size"], hidden, batch), cfg, x, layer0, "layer0")
+    h_n = b.op("reshape", h_final, shape=(1, batch, hidden), name="layer0.h_n")
+    c_n = b.op("reshape", c_final, shape=(1, batch, hidden), name="layer0.c_n")
+    if layers > 1:
+        (output,), (h_rest, c_rest) = b.scan(
+            _layer_body(cfg),
+            layers - 1,
+            name="layers",
+            carry=[("sequence", "time.h_next", output)],
+            ys=["time.h", "time.c"],
+            params={
+                kind: [f"{kind}_l{layer}" for layer in range(1, layers)]
+                for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+            },
+        )
+        h_n = b.op("concat", h_n, h_rest, axis=0, name="h_n")
+        c_n = b.op("concat", c_n, c_rest, axis=0, name="c_n")
+    return b.build(output, h_n, c_n).with_weights(weights)
+
+
+def torch_reference(cfg: dict, weights: dict[str, np.ndarray]):
+    """torch.nn.LSTM loaded with ``weights``: inputs -> [output, h_n, c_n]."""
+    import torch
+
+    lstm = torch.nn.LSTM(cfg["input_size"], cfg["hidden_size"], cfg["num_layers"])
+    lstm.load_state_dict({name: torch.from_numpy(np.asarray(value)) for name, value in weights.items()})
+    lstm.eval()
+
+    def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        with torch.no_grad():
+            output, (h_n, c_n) = lstm(torch.from_numpy(np.asarray(inputs["x"], dtype=np.float32)))
+        return [output.numpy(), h_n.numpy(), c_n.numpy()]
+
+    return run

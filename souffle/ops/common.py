@@ -1,0 +1,93 @@
+"""Checks shared by the op rules: attribute normalization, axes, ranks and dtypes.
+
+Each helper either returns a normalized value or refuses with ``fail``, so an
+infer rule reads as a short list of requirements and a lowering can call the
+same helper to get the same normalized attributes.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral, Real
+
+from souffle.ops.registry import fail
+
+
+def shape_of(tensor) -> tuple[int, ...]:
+    """A TE tensor's static shape as Python ints."""
+    return tuple(int(d) for d in tensor.shape)
+
+
+def prod(values) -> int:
+    total = 1
+    for v in values:
+        total *= int(v)
+    return total
+
+
+def is_int(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def int_list(value, name: str, minimum: int | None = None) -> tuple[int, ...]:
+    """An int or a list of ints as a tuple (one int becomes a 1-tuple)."""
+    items = (value,) if is_int(value) else value
+    if not isinstance(items, (list, tuple)) or not all(is_int(v) for v in items):
+        fail(f"{name} must be an int or a list of ints, got {value!r}")
+    if minimum is not None and any(v < minimum for v in items):
+        fail(f"{name} must be >= {minimum}, got {value!r}")
+    return tuple(int(v) for v in items)
+
+
+def int_pair(value, name: str, minimum: int) -> tuple[int, int]:
+    """A (height, width) attribute given as one int or a pair, as torch accepts it."""
+    items = int_list(value, name, minimum)
+    if len(items) == 1:
+        return items * 2
+    if len(items) != 2:
+        fail(f"{name} must be an int or a pair of ints, got {value!r}")
+    return items
+
+
+def normalize_axis(axis, rank: int, name: str = "axis") -> int:
+    """An axis in [0, rank) from one in [-rank, rank), as torch counts negative axes."""
+    if not is_int(axis) or not -rank <= axis < rank:
+        fail(f"{name} {axis!r} is out of range for a rank-{rank} tensor")
+    return int(axis) % rank
+
+
+def normalize_axes(axes, rank: int, name: str = "axes") -> tuple[int, ...]:
+    """Distinct non-negative axes from an int or a list of ints."""
+    result = tuple(normalize_axis(a, rank, name) for a in int_list(axes, name))
+    if len(set(result)) != len(result):
+        fail(f"{name} {axes!r} names an axis twice")
+    return result
+
+
+def require_rank(spec, ranks, what: str = "input"):
+    """Refuse a tensor whose rank is not one of ``ranks`` (an int or a collection)."""
+    allowed = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+    if len(spec.shape) not in allowed:
+        expected = " or ".join(f"{r}-D" for r in allowed)
+        fail(f"{what} must be {expected}, got shape {list(spec.shape)}")
+
+
+def require_float(*specs):
+    for spec in specs:
+        if not spec.dtype.startswith("float"):
+            fail(f"{spec.name!r} must be floating-point, got {spec.dtype}")
+
+
+def require_same_dtype(specs):
+    dtypes = sorted({s.dtype for s in specs})
+    if len(dtypes) > 1:
+        fail(f"inputs must share one dtype, got {', '.join(dtypes)}")
+
+
+def require_bool(attrs, *names):
+    for name in names:
+        if not isinstance(attrs[name], bool):
+            fail(f"{name} must be True or False, got {attrs[name]!r}")

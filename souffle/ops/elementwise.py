@@ -1,0 +1,137 @@
+"""Elementwise ops: unary activations, NumPy-broadcasting binary arithmetic, constants."""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import te, topi
+
+from souffle.graph import SUPPORTED_DTYPES
+from souffle.ops.common import int_list, is_real, require_float, require_same_dtype
+from souffle.ops.registry import fail, register_op
+
+
+def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """NumPy broadcasting of two shapes, or a refusal naming both."""
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        da = a[-i] if i <= len(a) else 1
+        db = b[-i] if i <= len(b) else 1
+        if da != db and 1 not in (da, db):
+            fail(f"shapes {list(a)} and {list(b)} do not broadcast")
+        out.append(max(da, db))
+    return tuple(reversed(out))
+
+
+def _same(specs, attrs):
+    return [(specs[0].shape, specs[0].dtype)]
+
+
+def _float_same(specs, attrs):
+    require_float(specs[0])
+    return _same(specs, attrs)
+
+
+def _binary(specs, attrs):
+    require_same_dtype(specs)
+    return [(broadcast_shape(specs[0].shape, specs[1].shape), specs[0].dtype)]
+
+
+def _float_binary(specs, attrs):
+    """Division is true division in torch, so integer inputs would change meaning."""
+    require_float(*specs)
+    return _binary(specs, attrs)
+
+
+def _const(value: float, like: te.Tensor):
+    return tvm.tirx.const(value, like.dtype)
+
+
+@register_op("relu", infer=_same, n_inputs=1)
+def relu(inputs):
+    return topi.nn.relu(inputs[0])
+
+
+@register_op("sigmoid", infer=_float_same, n_inputs=1)
+def sigmoid(inputs):
+    return topi.sigmoid(inputs[0])
+
+
+@register_op("tanh", infer=_float_same, n_inputs=1)
+def tanh(inputs):
+    return topi.tanh(inputs[0])
+
+
+@register_op("gelu", infer=_float_same, n_inputs=1)
+def gelu(inputs):
+    """Exact GELU, x * Phi(x) with erf, as torch.nn.GELU() (not the tanh approximation)."""
+    x = inputs[0]
+    half, one, inv_sqrt2 = _const(0.5, x), _const(1.0, x), _const(1.0 / math.sqrt(2.0), x)
+    return te.compute(x.shape, lambda *i: half * x(*i) * (one + te.erf(x(*i) * inv_sqrt2)), name="gelu")
+
+
+@register_op("silu", infer=_float_same, n_inputs=1)
+def silu(inputs):
+    """x * sigmoid(x), as torch.nn.SiLU()."""
+    x = inputs[0]
+    return te.compute(x.shape, lambda *i: x(*i) * te.sigmoid(x(*i)), name="silu")
+
+
+@register_op("add", infer=_binary, n_inputs=2)
+def add(inputs):
+    return topi.add(inputs[0], inputs[1])
+
+
+@register_op("sub", infer=_binary, n_inputs=2)
+def sub(inputs):
+    return topi.subtract(inputs[0], inputs[1])
+
+
+@register_op("mul", infer=_binary, n_inputs=2)
+def mul(inputs):
+    return topi.multiply(inputs[0], inputs[1])
+
+
+@register_op("div", infer=_float_binary, n_inputs=2)
+def div(inputs):
+    return topi.divide(inputs[0], inputs[1])
+
+
+def _scale(specs, attrs):
+    if not is_real(attrs["factor"]):
+        fail(f"factor must be a number, got {attrs['factor']!r}")
+    return _float_same(specs, attrs)
+
+
+@register_op("scale", infer=_scale, n_inputs=1, attrs={"factor": 1.0})
+def scale(inputs, factor):
+    """x * factor with a compile-time constant (e.g. attention's 1/sqrt(d))."""
+    return topi.multiply(inputs[0], _const(float(factor), inputs[0]))
+
+
+@register_op("copy", infer=_same, n_inputs=1)
+def copy(inputs):
+    """A fresh tensor equal to the input (an op's output must be its own buffer)."""
+    return topi.identity(inputs[0])
+
+
+def _full(specs, attrs):
+    if attrs["shape"] is None:
+        fail("shape is required")
+    shape = int_list(attrs["shape"], "shape", minimum=1)
+    dtype, value = attrs["dtype"], attrs["value"]
+    if dtype not in SUPPORTED_DTYPES:
+        fail(f"dtype {dtype!r} is not supported (supported: {', '.join(SUPPORTED_DTYPES)})")
+    if not is_real(value):
+        fail(f"value must be a number, got {value!r}")
+    if not dtype.startswith("float") and not float(value).is_integer():
+        fail(f"value {value!r} is not representable as {dtype}")
+    return [(shape, dtype)]
+
+
+@register_op("full", infer=_full, n_inputs=0, attrs={"shape": None, "value": 0.0, "dtype": "float32"})
+def full(inputs, shape, value, dtype):
+    """A constant tensor, like torch.full."""
+    fill = value if dtype.startswith("float") else int(value)
+    return topi.full(int_list(shape, "shape"), dtype, fill)

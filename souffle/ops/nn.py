@@ -1,0 +1,338 @@
+"""Neural-network ops with reductions: dense/matmul, convolution, normalization, pooling.
+
+Every rule follows PyTorch's semantics (torch.nn.functional), so a model's
+graph and its torch reference compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import te, topi
+
+from souffle.ops.common import (
+    int_pair,
+    is_int,
+    is_real,
+    normalize_axes,
+    normalize_axis,
+    prod,
+    require_bool,
+    require_float,
+    require_rank,
+    require_same_dtype,
+    shape_of,
+)
+from souffle.ops.elementwise import broadcast_shape
+from souffle.ops.registry import fail, register_op
+
+
+def _reshape(tensor: te.Tensor, shape) -> te.Tensor:
+    """topi.reshape, skipped when the shape already matches (no needless copy stage)."""
+    shape = tuple(int(d) for d in shape)
+    return tensor if shape_of(tensor) == shape else topi.reshape(tensor, shape)
+
+
+def _require_eps(attrs):
+    if not is_real(attrs["eps"]) or attrs["eps"] < 0:
+        fail(f"eps must be a non-negative number, got {attrs['eps']!r}")
+
+
+# -- dense and matmul --------------------------------------------------------------------------
+def _dense(specs, attrs):
+    x, w = specs[0], specs[1]
+    require_rank(w, 2, "weight (out_features, in_features)")
+    if x.shape[-1:] != w.shape[1:]:
+        fail(f"input features {x.shape[-1:]} do not match weight in_features {w.shape[1]}")
+    if len(specs) == 3 and specs[2].shape != (w.shape[0],):
+        fail(f"bias must have shape [{w.shape[0]}], got {list(specs[2].shape)}")
+    require_same_dtype(specs)
+    return [(x.shape[:-1] + (w.shape[0],), x.dtype)]
+
+
+@register_op("dense", infer=_dense, n_inputs=(2, 3))
+def dense(inputs):
+    """y = x @ W.T (+ b), W laid out (out_features, in_features) as torch.nn.Linear."""
+    x, w = inputs[0], inputs[1]
+    lead = shape_of(x)[:-1]
+    y = topi.nn.dense(_reshape(x, (prod(lead), x.shape[-1])), w, inputs[2] if len(inputs) == 3 else None)
+    return _reshape(y, lead + (int(w.shape[0]),))
+
+
+def _matmul(specs, attrs):
+    a, b = specs
+    require_bool(attrs, "transpose_b")
+    require_same_dtype(specs)
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        fail(f"a and b must each be at least 2-D, got shapes {list(a.shape)} and {list(b.shape)}")
+    m, k = a.shape[-2:]
+    n, kb = b.shape[-2:] if attrs["transpose_b"] else reversed(b.shape[-2:])
+    if k != kb:
+        fail(f"a has {k} columns but b has {kb} rows (transpose_b={attrs['transpose_b']})")
+    return [(broadcast_shape(a.shape[:-2], b.shape[:-2]) + (m, n), a.dtype)]
+
+
+def _as_batch3(tensor: te.Tensor, batch: tuple[int, ...]) -> te.Tensor:
+    """(..., R, C) as (B, R, C) for topi's batch_matmul; a batch of one is left to broadcast."""
+    shape = shape_of(tensor)
+    own = shape[:-2]
+    if prod(own) == 1:
+        return _reshape(tensor, (1,) + shape[-2:])
+    if (1,) * (len(batch) - len(own)) + own != batch:
+        tensor = topi.broadcast_to(tensor, batch + shape[-2:])
+    return _reshape(tensor, (prod(batch),) + shape[-2:])
+
+
+@register_op("matmul", infer=_matmul, n_inputs=2, attrs={"transpose_b": False})
+def matmul(inputs, transpose_b):
+    """torch.matmul for operands of rank >= 2, batch dimensions broadcast."""
+    a, b = inputs
+    if len(b.shape) == 2:
+        # One shared right operand: a's batch dimensions fold into rows of one GEMM.
+        lead = shape_of(a)[:-1]
+        y = topi.nn.matmul(_reshape(a, (prod(lead), a.shape[-1])), b, transpose_b=transpose_b)
+        return _reshape(y, lead + shape_of(y)[-1:])
+    batch = broadcast_shape(shape_of(a)[:-2], shape_of(b)[:-2])
+    y = topi.nn.batch_matmul(_as_batch3(a, batch), _as_batch3(b, batch), transpose_b=transpose_b)
+    return _reshape(y, batch + shape_of(y)[1:])
+
+
+def _batch_matmul(specs, attrs):
+    a, b = specs
+    require_bool(attrs, "transpose_a", "transpose_b")
+    require_rank(a, 3, "a")
+    require_rank(b, 3, "b")
+    require_same_dtype(specs)
+    batch_a, m, k = (a.shape[0], a.shape[2], a.shape[1]) if attrs["transpose_a"] else a.shape
+    batch_b, kb, n = (b.shape[0], b.shape[2], b.shape[1]) if attrs["transpose_b"] else b.shape
+    if batch_a != batch_b:
+        fail(f"batch sizes differ: {batch_a} and {batch_b}")
+    if k != kb:
+        fail(f"a has {k} columns but b has {kb} rows")
+    return [((batch_a, m, n), a.dtype)]
+
+
+@register_op("batch_matmul", infer=_batch_matmul, n_inputs=2, attrs={"transpose_a": False, "transpose_b": False})
+def batch_matmul(inputs, transpose_a, transpose_b):
+    """torch.bmm, with either operand optionally stored transposed."""
+    return topi.nn.batch_matmul(inputs[0], inputs[1], transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+# -- convolution -------------------------------------------------------------------------------
+def _window_attrs(attrs):
+    """stride, padding and dilation as (h, w) pairs; stride defaults to the kernel (pooling)."""
+    kernel = int_pair(attrs["kernel"], "kernel", 1) if "kernel" in attrs else None
+    stride = attrs["stride"] if attrs["stride"] is not None else kernel
+    return (
+        kernel,
+        int_pair(stride, "stride", 1),
+        int_pair(attrs["padding"], "padding", 0),
+        int_pair(attrs.get("dilation", 1), "dilation", 1),
+    )
+
+
+def _window_count(size: int, kernel: int, stride: int, pad: int, dilation: int, ceil_mode: bool = False) -> int:
+    """Output length of a sliding window, torch's formula (ceil_mode drops a window
+    that would start in the right padding)."""
+    span = dilation * (kernel - 1) + 1
+    if size + 2 * pad < span:
+        fail(f"window of span {span} is larger than the padded input ({size} + 2 * {pad})")
+    count = (size + 2 * pad - span + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (count - 1) * stride >= size + pad:
+        count -= 1
+    return count
+
+
+def _conv2d(specs, attrs):
+    x, w = specs[0], specs[1]
+    require_rank(x, 4, "input (N, C, H, W)")
+    require_rank(w, 4, "weight (O, C/groups, R, S)")
+    require_float(*specs)
+    require_same_dtype(specs)
+    _, stride, padding, dilation = _window_attrs(attrs)
+    groups = attrs["groups"]
+    if not is_int(groups) or groups < 1:
+        fail(f"groups must be a positive int, got {groups!r}")
+    n, c, h, wd = x.shape
+    o, c_per_group, r, s = w.shape
+    if c % groups or o % groups:
+        fail(f"groups={groups} must divide both input channels {c} and output channels {o}")
+    if c_per_group != c // groups:
+        fail(f"weight has {c_per_group} input channels per group, expected {c // groups} ({c} channels / {groups} groups)")
+    if len(specs) == 3 and specs[2].shape != (o,):
+        fail(f"bias must have shape [{o}], got {list(specs[2].shape)}")
+    out_h = _window_count(h, r, stride[0], padding[0], dilation[0])
+    out_w = _window_count(wd, s, stride[1], padding[1], dilation[1])
+    return [((n, o, out_h, out_w), x.dtype)]
+
+
+@register_op("conv2d", infer=_conv2d, n_inputs=(2, 3), attrs={"stride": 1, "padding": 0, "dilation": 1, "groups": 1})
+def conv2d(inputs, stride, padding, dilation, groups):
+    """torch.nn.functional.conv2d on NCHW input and OIHW weight, grouped and depthwise included."""
+    x, w = inputs[0], inputs[1]
+    _, stride, padding, dilation = _window_attrs({"stride": stride, "padding": padding, "dilation": dilation})
+    channels, out_channels = int(x.shape[1]), int(w.shape[0])
+    if groups == 1:
+        y = topi.nn.conv2d_nchw(x, w, stride, padding, dilation)
+    elif groups == channels:
+        # torch's (C*m, 1, R, S) depthwise weight is topi's (C, m, R, S): channel c*m+q reads input c.
+        filt = _reshape(w, (channels, out_channels // channels) + shape_of(w)[2:])
+        y = topi.nn.depthwise_conv2d_nchw(x, filt, stride, padding, dilation)
+    else:
+        y = topi.nn.group_conv2d_nchw(x, w, stride, padding, dilation, groups)
+    if len(inputs) == 2:
+        return y
+    bias = inputs[2]
+    return te.compute(y.shape, lambda n, o, i, j: y[n, o, i, j] + bias[o], name="conv2d_bias")
+
+
+# -- normalization -----------------------------------------------------------------------------
+def _batch_norm(specs, attrs):
+    x = specs[0]
+    if len(x.shape) < 2:
+        fail(f"input must be at least 2-D (N, C, ...), got shape {list(x.shape)}")
+    require_float(*specs)
+    require_same_dtype(specs)
+    _require_eps(attrs)
+    for spec in specs[1:]:
+        if spec.shape != (x.shape[1],):
+            fail(f"{spec.name!r} must have shape [{x.shape[1]}] (one value per channel), got {list(spec.shape)}")
+    return [(x.shape, x.dtype)]
+
+
+@register_op("batch_norm", infer=_batch_norm, n_inputs=5, attrs={"eps": 1e-5})
+def batch_norm(inputs, eps):
+    """Inference batch norm over axis 1 with running statistics (torch's eval mode)."""
+    return topi.nn.batch_norm(*inputs, axis=1, epsilon=float(eps))[0]
+
+
+def _layer_norm(specs, attrs):
+    x = specs[0]
+    if not x.shape:
+        fail("input must be at least 1-D")
+    require_float(*specs)
+    require_same_dtype(specs)
+    _require_eps(attrs)
+    for spec in specs[1:]:
+        if spec.shape != x.shape[-1:]:
+            fail(f"{spec.name!r} must have shape {list(x.shape[-1:])} (the last dimension), got {list(spec.shape)}")
+    return [(x.shape, x.dtype)]
+
+
+@register_op("layer_norm", infer=_layer_norm, n_inputs=3, attrs={"eps": 1e-5})
+def layer_norm(inputs, eps):
+    """torch.nn.LayerNorm over the last dimension (biased variance)."""
+    x = inputs[0]
+    return topi.nn.layer_norm(x, inputs[1], inputs[2], axis=[len(x.shape) - 1], epsilon=float(eps))
+
+
+def _softmax(specs, attrs):
+    require_float(specs[0])
+    normalize_axis(attrs["axis"], len(specs[0].shape))
+    return [(specs[0].shape, specs[0].dtype)]
+
+
+@register_op("softmax", infer=_softmax, n_inputs=1, attrs={"axis": -1})
+def softmax(inputs, axis):
+    x = inputs[0]
+    return topi.nn.softmax(x, axis=normalize_axis(axis, len(x.shape)))
+
+
+# -- pooling and reductions --------------------------------------------------------------------
+def _pool2d(specs, attrs):
+    x = specs[0]
+    require_rank(x, 4, "input (N, C, H, W)")
+    require_float(x)
+    if attrs["kernel"] is None:
+        fail("kernel is required")
+    require_bool(attrs, *(k for k in ("ceil_mode", "count_include_pad") if k in attrs))
+    kernel, stride, padding, dilation = _window_attrs(attrs)
+    out = []
+    for i in range(2):
+        span = dilation[i] * (kernel[i] - 1) + 1
+        if padding[i] > span // 2:
+            fail(f"padding {padding[i]} must be at most half the kernel size {span}")
+        out.append(_window_count(x.shape[2 + i], kernel[i], stride[i], padding[i], dilation[i], attrs["ceil_mode"]))
+    return [(x.shape[:2] + tuple(out), x.dtype)]
+
+
+def _topi_pool(x, pool_type, attrs, count_include_pad=True):
+    kernel, stride, padding, dilation = _window_attrs(attrs)
+    return topi.nn.pool2d(
+        x, kernel, stride, dilation, padding + padding, pool_type,
+        ceil_mode=attrs["ceil_mode"], count_include_pad=count_include_pad,
+    )
+
+
+@register_op(
+    "max_pool2d", infer=_pool2d, n_inputs=1,
+    attrs={"kernel": None, "stride": None, "padding": 0, "dilation": 1, "ceil_mode": False},
+)
+def max_pool2d(inputs, **attrs):
+    """torch.nn.functional.max_pool2d (padding never wins the max)."""
+    return _topi_pool(inputs[0], "max", attrs)
+
+
+@register_op(
+    "avg_pool2d", infer=_pool2d, n_inputs=1,
+    attrs={"kernel": None, "stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True},
+)
+def avg_pool2d(inputs, **attrs):
+    """torch.nn.functional.avg_pool2d, including its divisor for windows clipped by ceil_mode."""
+    return _topi_pool(inputs[0], "avg", attrs, attrs["count_include_pad"])
+
+
+def _global_avg_pool2d(specs, attrs):
+    x = specs[0]
+    require_rank(x, 4, "input (N, C, H, W)")
+    require_float(x)
+    return [(x.shape[:2] + (1, 1), x.dtype)]
+
+
+@register_op("global_avg_pool2d", infer=_global_avg_pool2d, n_inputs=1)
+def global_avg_pool2d(inputs):
+    """(N, C, H, W) -> (N, C, 1, 1), as torch.nn.AdaptiveAvgPool2d(1)."""
+    return topi.nn.global_pool(inputs[0], "avg")
+
+
+def _mean_axes(rank: int, axes) -> tuple[int, ...]:
+    return tuple(range(rank)) if axes is None else normalize_axes(axes, rank)
+
+
+def _mean(specs, attrs):
+    x = specs[0]
+    if not x.shape:
+        fail("input must be at least 1-D")
+    require_float(x)
+    require_bool(attrs, "keepdims")
+    axes = _mean_axes(len(x.shape), attrs["axes"])
+    if attrs["keepdims"]:
+        return [(tuple(1 if i in axes else d for i, d in enumerate(x.shape)), x.dtype)]
+    return [(tuple(d for i, d in enumerate(x.shape) if i not in axes), x.dtype)]
+
+
+@register_op("mean", infer=_mean, n_inputs=1, attrs={"axes": None, "keepdims": False})
+def mean(inputs, axes, keepdims):
+    """torch.mean over ``axes`` (all axes when None): a sum, then one division."""
+    x = inputs[0]
+    axes = _mean_axes(len(x.shape), axes)
+    total = topi.sum(x, axis=list(axes), keepdims=keepdims)
+    return topi.divide(total, tvm.tirx.const(prod(x.shape[a] for a in axes), x.dtype))
+
+
+# -- lookup ------------------------------------------------------------------------------------
+def _embedding(specs, attrs):
+    table, ids = specs
+    require_rank(table, 2, "table (num_embeddings, embedding_dim)")
+    require_float(table)
+    if ids.dtype not in ("int32", "int64"):
+        fail(f"ids must be int32 or int64, got {ids.dtype}")
+    return [(ids.shape + table.shape[1:], table.dtype)]
+
+
+@register_op("embedding", infer=_embedding, n_inputs=2)
+def embedding(inputs):
+    """Rows of ``table`` (V, D) picked by ``ids`` of any shape, as torch.nn.functional.embedding.
+
+    Out-of-range ids are clamped into [0, V) so a bad id cannot read outside the table."""
+    table, ids = inputs
+    return topi.take(table, ids, axis=0, mode="clip")

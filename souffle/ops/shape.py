@@ -1,0 +1,175 @@
+"""Shape ops: reshape, transpose, concat, slice, split, flatten (torch semantics).
+
+Each op's attribute normalization is one function used by both its infer rule
+and its lowering, so the two cannot disagree about the output shape.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import topi
+
+from souffle.ops.common import int_list, is_int, normalize_axes, normalize_axis, prod, require_same_dtype, shape_of
+from souffle.ops.registry import fail, register_op
+
+
+def _reshape_target(shape: tuple[int, ...], target) -> tuple[int, ...]:
+    """The requested shape with its one -1 resolved, as torch.reshape does."""
+    if target is None:
+        fail("shape is required")
+    dims = int_list(target, "shape", minimum=-1)
+    if 0 in dims or dims.count(-1) > 1:
+        fail(f"shape {list(dims)} may hold positive sizes and at most one -1")
+    known = prod(d for d in dims if d != -1)
+    size = prod(shape)
+    if -1 in dims:
+        if size % known:
+            fail(f"cannot reshape {list(shape)} ({size} elements) to {list(dims)}")
+        dims = tuple(size // known if d == -1 else d for d in dims)
+    if prod(dims) != size:
+        fail(f"cannot reshape {list(shape)} ({size} elements) to {list(dims)} ({prod(dims)} elements)")
+    return dims
+
+
+def _reshape(specs, attrs):
+    return [(_reshape_target(specs[0].shape, attrs["shape"]), specs[0].dtype)]
+
+
+@register_op("reshape", infer=_reshape, n_inputs=1, attrs={"shape": None})
+def reshape(inputs, shape):
+    x = inputs[0]
+    return topi.reshape(x, _reshape_target(shape_of(x), shape))
+
+
+def _permutation(rank: int, axes) -> tuple[int, ...]:
+    """A full permutation of the axes; None reverses them (torch's .T, numpy's default)."""
+    if axes is None:
+        return tuple(reversed(range(rank)))
+    perm = normalize_axes(axes, rank)
+    if len(perm) != rank:
+        fail(f"axes {list(axes)} must name each of the {rank} axes once")
+    return perm
+
+
+def _transpose(specs, attrs):
+    x = specs[0]
+    return [(tuple(x.shape[a] for a in _permutation(len(x.shape), attrs["axes"])), x.dtype)]
+
+
+@register_op("transpose", infer=_transpose, n_inputs=1, attrs={"axes": None})
+def transpose(inputs, axes):
+    x = inputs[0]
+    return topi.transpose(x, list(_permutation(len(x.shape), axes)))
+
+
+def _concat(specs, attrs):
+    require_same_dtype(specs)
+    first = specs[0]
+    axis = normalize_axis(attrs["axis"], len(first.shape))
+    for spec in specs[1:]:
+        if len(spec.shape) != len(first.shape) or any(
+            a != b for i, (a, b) in enumerate(zip(spec.shape, first.shape)) if i != axis
+        ):
+            fail(f"{spec.name!r} {list(spec.shape)} does not match {list(first.shape)} outside axis {axis}")
+    shape = list(first.shape)
+    shape[axis] = sum(s.shape[axis] for s in specs)
+    return [(tuple(shape), first.dtype)]
+
+
+@register_op("concat", infer=_concat, n_inputs=(1, math.inf), attrs={"axis": 0})
+def concat(inputs, axis):
+    """torch.cat along ``axis``."""
+    return topi.concatenate(inputs, normalize_axis(axis, len(inputs[0].shape)))
+
+
+def _slice_bounds(shape: tuple[int, ...], begin, end, axis, strides):
+    """(axes, starts, stops, strides) in range, with Python's slicing rules for negative and
+    out-of-range bounds, plus the output shape."""
+    if begin is None or end is None:
+        fail("begin and end are required")
+    begins, ends = int_list(begin, "begin"), int_list(end, "end")
+    axes = tuple(range(len(begins))) if axis is None else normalize_axes(axis, len(shape), "axis")
+    steps = (1,) * len(axes) if strides is None else int_list(strides, "strides", minimum=1)
+    if not len(begins) == len(ends) == len(axes) == len(steps):
+        fail(f"begin {list(begins)}, end {list(ends)}, axis {list(axes)} and strides {list(steps)} differ in length")
+    if len(axes) > len(shape):
+        fail(f"{len(axes)} slice bounds for a rank-{len(shape)} tensor")
+    out = list(shape)
+    starts, stops = [], []
+    for a, b, e, s in zip(axes, begins, ends, steps):
+        start, stop, _ = slice(b, e, s).indices(shape[a])
+        out[a] = len(range(start, stop, s))
+        if out[a] == 0:
+            fail(f"slice {b}:{e}:{s} of axis {a} (size {shape[a]}) is empty")
+        starts.append(start)
+        stops.append(stop)
+    return axes, starts, stops, steps, tuple(out)
+
+
+def _slice(specs, attrs):
+    x = specs[0]
+    return [(_slice_bounds(x.shape, **attrs)[-1], x.dtype)]
+
+
+@register_op("slice", infer=_slice, n_inputs=1, attrs={"begin": None, "end": None, "axis": None, "strides": None})
+def slice_op(inputs, **attrs):
+    """x[begin:end:stride] on each listed axis (all leading axes when ``axis`` is None)."""
+    x = inputs[0]
+    axes, starts, stops, steps, _ = _slice_bounds(shape_of(x), **attrs)
+    return topi.strided_slice(x, starts, stops, list(steps), axes=list(axes))
+
+
+def _split_sizes(shape: tuple[int, ...], sections, sizes, axis) -> tuple[int, tuple[int, ...]]:
+    """(axis, piece sizes) from an even count of ``sections`` or explicit ``sizes``."""
+    axis = normalize_axis(axis, len(shape))
+    dim = shape[axis]
+    if (sections is None) == (sizes is None):
+        fail("give exactly one of sections (a count) or sizes (a list)")
+    if sizes is None:
+        if not is_int(sections) or sections < 1 or dim % sections:
+            fail(f"sections={sections!r} must be a positive int dividing axis {axis} of size {dim}")
+        return axis, (dim // sections,) * sections
+    pieces = int_list(sizes, "sizes", minimum=1)
+    if sum(pieces) != dim:
+        fail(f"sizes {list(pieces)} sum to {sum(pieces)}, not the size {dim} of axis {axis}")
+    return axis, pieces
+
+
+def _split(specs, attrs):
+    x = specs[0]
+    axis, pieces = _split_sizes(x.shape, **attrs)
+    return [(x.shape[:axis] + (p,) + x.shape[axis + 1 :], x.dtype) for p in pieces]
+
+
+@register_op("split", infer=_split, n_inputs=1, attrs={"sections": None, "sizes": None, "axis": 0})
+def split(inputs, **attrs):
+    """Pieces of x along ``axis``, in order; one output per piece."""
+    x = inputs[0]
+    axis, pieces = _split_sizes(shape_of(x), **attrs)
+    if len(pieces) == 1:
+        return [topi.identity(x)]
+    boundaries = [sum(pieces[:i]) for i in range(1, len(pieces))]
+    return list(topi.split(x, boundaries, axis))
+
+
+def _flat_shape(shape: tuple[int, ...], start_dim, end_dim) -> tuple[int, ...]:
+    """torch.flatten's shape: dims start_dim..end_dim merged into one."""
+    rank = max(len(shape), 1)
+    start = normalize_axis(start_dim, rank, "start_dim")
+    end = normalize_axis(end_dim, rank, "end_dim")
+    if start > end:
+        fail(f"start_dim {start_dim} comes after end_dim {end_dim}")
+    return shape[:start] + (prod(shape[start : end + 1]),) + shape[end + 1 :]
+
+
+def _flatten(specs, attrs):
+    return [(_flat_shape(specs[0].shape, **attrs), specs[0].dtype)]
+
+
+@register_op("flatten", infer=_flatten, n_inputs=1, attrs={"start_dim": 1, "end_dim": -1})
+def flatten(inputs, start_dim, end_dim):
+    """torch.flatten(x, start_dim, end_dim); the default start_dim=1 keeps the batch axis
+    (nn.Flatten)."""
+    x = inputs[0]
+    return topi.reshape(x, _flat_shape(shape_of(x), start_dim, end_dim))

@@ -1,0 +1,102 @@
+"""The model registry: names, configs, weights (given, missing, extra, mis-shaped), seeds."""
+
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from souffle import models
+from souffle.errors import SouffleError, UnknownModelError, WeightError
+from souffle.graph import Graph
+
+
+def test_unknown_model_lists_the_available_ones():
+    with pytest.raises(UnknownModelError, match=r"unknown model 'gpt'; available: lstm, bert, resnext, mmoe"):
+        models.build("gpt")
+
+
+def test_unknown_config_lists_the_available_ones():
+    with pytest.raises(UnknownModelError, match=r"unknown config 'huge' for model 'lstm'; available: tiny, paper"):
+        models.build("lstm", config="huge")
+    with pytest.raises(UnknownModelError, match="huge"):
+        models.tolerance("mmoe", "huge")
+
+
+@pytest.mark.parametrize("name", models.MODELS)
+def test_build_returns_a_graph_with_weights(name):
+    graph = models.build(name)
+    assert isinstance(graph, Graph)
+    assert set(graph.weights) == set(graph.params)
+    inputs = models.make_inputs(name)
+    assert {spec.name: (spec.shape, spec.dtype) for spec in graph.inputs} == {
+        k: (v.shape, str(v.dtype)) for k, v in inputs.items()
+    }
+    rtol, atol = models.tolerance(name, "tiny")
+    assert 0 < rtol <= 1e-4 and 0 < atol <= 1e-4
+
+
+def test_config_is_a_copy():
+    models.config("lstm", "tiny")["hidden_size"] = 1
+    assert models.config("lstm", "tiny")["hidden_size"] == 16
+
+
+@pytest.mark.parametrize("name", models.MODELS)
+def test_same_seed_same_weights_and_inputs(name):
+    a, b, c = (models.build(name, seed=s).weights for s in (3, 3, 4))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert any(not np.array_equal(a[k], c[k]) for k in a)
+    assert all(v.dtype == np.float32 for v in a.values())
+    x, x_again, y = (models.make_inputs(name, seed=s) for s in (3, 3, 4))
+    assert all(np.array_equal(x[k], x_again[k]) for k in x)
+    assert any(not np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_build_with_given_weights_uses_them():
+    weights = {k: v + 1 for k, v in models.get("mmoe").init_weights(models.config("mmoe"), 7).items()}
+    graph = models.build("mmoe", weights={k: v.tolist() for k, v in weights.items()})
+    assert all(np.array_equal(graph.weights[k], weights[k]) for k in weights)
+
+
+def test_a_torch_state_dict_loads_as_it_is():
+    torch = pytest.importorskip("torch")
+    cfg = models.config("lstm", "tiny")
+    lstm = torch.nn.LSTM(cfg["input_size"], cfg["hidden_size"], cfg["num_layers"])
+    graph = models.build("lstm", weights=lstm.state_dict())
+    assert np.array_equal(graph.weights["weight_hh_l2"], lstm.weight_hh_l2.detach().numpy())
+
+
+@pytest.mark.parametrize("name", models.MODELS)
+def test_missing_weight_is_named(name):
+    weights = models.build(name).weights
+    dropped = sorted(weights)[-1]
+    del weights[dropped]
+    with pytest.raises(WeightError, match=re.escape(f"missing 1: '{dropped}'")):
+        models.build(name, weights=weights)
+
+
+def test_extra_weight_is_named():
+    weights = dict(models.build("mmoe").weights, **{"experts.9.weight": np.zeros((4, 10), np.float32)})
+    with pytest.raises(WeightError, match=r"unexpected 1: 'experts\.9\.weight'"):
+        models.build("mmoe", weights=weights)
+
+
+def test_misshaped_weight_is_named():
+    weights = models.build("mmoe").weights
+    weights["gates.1.weight"] = weights["gates.1.weight"].T
+    with pytest.raises(WeightError, match=r"'gates\.1\.weight' of 'mmoe' has shape \(10, 3\), expected \(3, 10\)"):
+        models.build("mmoe", weights=weights)
+
+
+def test_keys_with_ignored_suffixes_are_dropped(monkeypatch):
+    weights = dict(models.build("mmoe").weights, **{"norm.num_batches_tracked": np.array(5)})
+    with pytest.raises(WeightError, match="num_batches_tracked"):
+        models.build("mmoe", weights=weights)
+    monkeypatch.setattr(models.get("mmoe"), "IGNORED_SUFFIXES", (".num_batches_tracked",))
+    assert "norm.num_batches_tracked" not in models.build("mmoe", weights=weights).weights
+
+
+def test_reference_without_torch_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(SouffleError, match=r"pip install torch==2\.13\.0"):
+        models.reference("lstm", "tiny", models.build("lstm").weights)
