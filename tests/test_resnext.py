@@ -1,0 +1,77 @@
+"""ResNeXt: graph structure, torch-reference agreement, and state_dict round trip."""
+
+import time
+
+import numpy as np
+import pytest
+
+import souffle
+from souffle.graph import Scan
+from souffle.models import resnext
+
+
+def _compile_and_check(cfg, config, weights):
+    graph = resnext.build_graph(cfg, weights)
+    inputs = resnext.make_inputs(cfg, seed=1)
+    start = time.perf_counter()
+    module = souffle.compile(graph, target="llvm")
+    compile_s = time.perf_counter() - start
+    rtol, atol = resnext.TOLERANCE[config]
+    (got,) = module.run(inputs)
+    (expected,) = resnext.torch_reference(cfg, weights)(inputs)
+    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
+    return compile_s
+
+
+def _state_dict_weights(cfg):
+    """A torch module's own initialization, exported as a user would export real weights."""
+    state = resnext.torch_module(cfg).state_dict()
+    return {k: v.numpy() for k, v in state.items() if not k.endswith(resnext.IGNORED_SUFFIXES)}
+
+
+@pytest.mark.parametrize("config", ["tiny", "paper"])
+def test_repeated_blocks_are_one_scan_per_stage(config):
+    cfg = resnext.CONFIGS[config]
+    weights = {k: np.zeros(v.shape, np.float32) for k, v in resnext.torch_module(cfg).state_dict().items()
+               if not k.endswith(resnext.IGNORED_SUFFIXES)}
+    graph = resnext.build_graph(cfg, weights)
+    scans = {op.name: op for op in graph.ops if isinstance(op, Scan)}
+    expected = {f"layer{k + 1}": n - 1 for k, n in enumerate(cfg["blocks"]) if n > 1}
+    assert {name: scan.length for name, scan in scans.items()} == expected
+    if "layer3" in scans:
+        bound = dict(scans["layer3"].params)["conv2.weight"]
+        assert bound == tuple(f"layer3.{j}.conv2.weight" for j in range(1, cfg["blocks"][2]))
+    assert [s.shape for s in graph.output_specs()] == [(1, cfg["classes"])]
+
+
+def test_init_weights_match_torch_state_dict_and_are_deterministic():
+    cfg = resnext.CONFIGS["tiny"]
+    weights = resnext.init_weights(cfg, seed=0)
+    state = resnext.torch_module(cfg, weights).state_dict()
+    assert set(weights) == {k for k in state if not k.endswith(resnext.IGNORED_SUFFIXES)}
+    assert all(tuple(state[k].shape) == v.shape and v.dtype == np.float32 for k, v in weights.items())
+    assert all(v.min() > 0 for k, v in weights.items() if k.endswith("running_var"))
+    again = resnext.init_weights(cfg, seed=0)
+    assert all(np.array_equal(weights[k], again[k]) for k in weights)
+
+
+def test_tiny_matches_torch():
+    cfg = resnext.CONFIGS["tiny"]
+    _compile_and_check(cfg, "tiny", resnext.init_weights(cfg, seed=0))
+
+
+def test_tiny_torch_state_dict_round_trip():
+    cfg = resnext.CONFIGS["tiny"]
+    _compile_and_check(cfg, "tiny", _state_dict_weights(cfg))
+
+
+@pytest.mark.slow
+def test_paper_matches_torch():
+    cfg = resnext.CONFIGS["paper"]
+    _compile_and_check(cfg, "paper", resnext.init_weights(cfg, seed=0))
+
+
+@pytest.mark.slow
+def test_paper_torch_state_dict_round_trip():
+    cfg = resnext.CONFIGS["paper"]
+    _compile_and_check(cfg, "paper", _state_dict_weights(cfg))
