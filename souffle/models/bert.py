@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from souffle.graph import Graph, GraphBuilder
+from souffle.models.torch_interop import load_weights
 
 CONFIGS = {
     "tiny": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "seq": 8, "vocab": 100, "max_positions": 16,
@@ -258,11 +259,7 @@ def torch_module(cfg, weights=None):
             return hidden, self.pooler(hidden)
 
     model = Bert().eval()
-    if weights is not None:
-        state = {k: v for k, v in model.state_dict().items() if k.endswith(IGNORED_SUFFIXES)}
-        state.update({k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()})
-        model.load_state_dict(state, strict=True)
-    return model
+    return model if weights is None else load_weights(model, weights, IGNORED_SUFFIXES)
 
 
 def torch_reference(cfg, weights):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from souffle.graph import Graph, GraphBuilder
+from souffle.models.torch_interop import load_weights
 
 CONFIGS = {
     "tiny": {"input_size": 12, "hidden_size": 16, "num_layers": 3, "steps": 5, "batch": 1},
@@ -143,8 +144,7 @@ def torch_reference(cfg: dict, weights: dict[str, np.ndarray]):
     import torch
 
     lstm = torch.nn.LSTM(cfg["input_size"], cfg["hidden_size"], cfg["num_layers"])
-    lstm.load_state_dict({name: torch.from_numpy(np.asarray(value)) for name, value in weights.items()})
-    lstm.eval()
+    load_weights(lstm, weights)
 
     def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         with torch.no_grad():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from souffle.graph import Graph, GraphBuilder
+from souffle.models.torch_interop import load_weights
 
 CONFIGS = {
     "tiny": {"input_size": 10, "expert_units": 4, "experts": 3, "tasks": 2, "tower_units": 8, "batch": 1},
@@ -96,9 +97,7 @@ def torch_reference(cfg: dict, weights: dict[str, np.ndarray]):
                 outputs.append(tower((weights.unsqueeze(2) * experts).sum(dim=1)))
             return outputs
 
-    model = MMoE()
-    model.load_state_dict({name: torch.from_numpy(np.asarray(value)) for name, value in weights.items()})
-    model.eval()
+    model = load_weights(MMoE(), weights)
 
     def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         with torch.no_grad():

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from souffle.graph import Graph, GraphBuilder
+from souffle.models.torch_interop import load_weights
 
 CONFIGS = {
     "tiny": {"blocks": [1, 2, 3, 1], "planes": [8, 16, 32, 64], "stem": 8, "groups": 4,
@@ -204,11 +205,7 @@ def torch_module(cfg, weights=None):
             return self.fc(torch.flatten(self.avgpool(x), 1))
 
     model = ResNeXt().eval()
-    if weights is not None:
-        state = {k: v for k, v in model.state_dict().items() if k.endswith(IGNORED_SUFFIXES)}
-        state.update({k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()})
-        model.load_state_dict(state, strict=True)
-    return model
+    return model if weights is None else load_weights(model, weights, IGNORED_SUFFIXES)
 
 
 def torch_reference(cfg, weights):
