@@ -211,6 +211,10 @@ def stitch(program: TEProgram, scheduler: Scheduler) -> StitchedProgram:
                for n in st.weight_buffers]
     arenas = list(st.arena.buffers.values())
     params = input_buffers + list(st.weight_buffers.values()) + output_buffers + arenas
+    # No "tirx.noalias": with it TVM gives every view (a let-bound pointer into the arena or
+    # an output) its own alias tag, and LLVM then moves a consumer's load above the store
+    # that a producer made through another view of the same memory (stale results;
+    # tests/test_stitch.py's poisoned-arena runs catch it).
     func = tirx.PrimFunc(params, tirx.SeqStmt(stmts)).with_attr("global_symbol", "main")
     return StitchedProgram(func, list(graph.inputs), weights, output_specs,
                            dict(st.arena.sizes), st.region_count, st.loop_count)

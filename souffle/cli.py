@@ -34,7 +34,7 @@ def _compile(args) -> int:
         report.extra["check"] = f"{'PASS' if ok else 'FAIL'} (rtol {rtol:g}, atol {atol:g})"
         status = 0 if ok else 1
     if args.explain:
-        print(graph)
+        print(compiled.program.graph)  # after the target's graph rewrites
         print(compiled.program)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))

@@ -1,6 +1,6 @@
 """Op kinds and their TE lowerings. Importing this package registers them all."""
 
 from souffle.ops.registry import REGISTRY, OpRule, get_rule, infer_outputs, lower_op, register_op
-from souffle.ops import elementwise, nn, shape  # noqa: F401  (registration side effects)
+from souffle.ops import elementwise, nn, packed, shape  # noqa: F401  (registration side effects)
 
 __all__ = ["REGISTRY", "OpRule", "get_rule", "infer_outputs", "lower_op", "register_op"]

@@ -1,0 +1,71 @@
+"""What every benchmark records: the machine, the versions, the exact command, medians."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(),
+            "python": platform.python_version()}
+
+
+def versions(*packages: str) -> dict:
+    found = {}
+    for name in packages:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    try:
+        found["souffle_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                 text=True, cwd=RESULTS.parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        found["souffle_commit"] = None
+    return found
+
+
+def command() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+def time_call(fn, warmup: int, repeat: int) -> dict:
+    """Median, min and max wall time of ``fn()`` in ms after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return summarize(samples)
+
+
+def summarize(samples_ms: list[float]) -> dict:
+    return {"median_ms": statistics.median(samples_ms), "min_ms": min(samples_ms), "max_ms": max(samples_ms),
+            "runs": len(samples_ms)}
+
+
+def write(name: str, payload: dict, table: str) -> tuple[Path, Path]:
+    RESULTS.mkdir(exist_ok=True)
+    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    md_path.write_text(table + "\n")
+    return json_path, md_path

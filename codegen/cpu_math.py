@@ -1,0 +1,82 @@
+"""Vectorizable float32 ``exp`` and ``erf`` for the LLVM backend.
+
+TVM lowers ``exp`` to ``llvm.exp`` and ``erf`` to libm's ``erff``; without a vector math
+library LLVM splits a vector of them into scalar libm calls (2.5 ns per ``exp``, 15 ns per
+``erf`` on this CPU), which made softmax, sigmoid, tanh and GELU cost more than the
+GEMMs around them. These lowerings are polynomials, so a vectorized loop stays vectorized:
+
+- ``exp``: Cephes' ``expf`` (range reduction by ln 2 in two parts, degree-6 polynomial,
+  scale by 2^n built from the exponent bits); within 2 ulp where exp(x) >= 2^-125,
+  zero below about x = -87 (results near or under FLT_MIN), inf above 88.72 as ``expf``.
+- ``erf``: Eigen's rational approximation x P(x^2) / Q(x^2) on [-4, 4] (erf is +-1 to
+  float32 precision beyond); within 4e-7 absolute.
+
+tanh and sigmoid are legalized by TVM through ``exp``, so they benefit too.
+Only float32 is rewritten; other dtypes keep TVM's lowering.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+
+_LOG2E = 1.44269504088896341
+_LN2_HI = 0.693359375
+_LN2_LO = -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+          -1.42647390514189e-02)
+_LOWERING_LEVEL = 50  # above TVM's own llvm rules (level 10)
+
+
+def _horner(x, coefficients):
+    result = coefficients[0]
+    for c in coefficients[1:]:
+        result = result * x + c
+    return result
+
+
+def fast_exp(x):
+    """exp(x) for a float32 (or float32 vector) expression, as vectorizable arithmetic."""
+    dtype = str(x.ty.dtype)
+    int_dtype = dtype.replace("float32", "int32")
+    x = tirx.max(tirx.min(x, tirx.const(89.0, "float32")), tirx.const(-88.0, "float32"))
+    n = tirx.max(tirx.floor(x * _LOG2E + 0.5), tirx.const(-126.0, "float32"))
+    r = x - n * _LN2_HI - n * _LN2_LO
+    poly = _horner(r, _EXP_POLY) * (r * r) + r + 1.0
+    # 2^n as 2^(n-1) * 2: n = 128 keeps a finite exponent field (the product overflows to inf
+    # exactly when exp(x) does), n = -126 gives exponent field 0 (flush to zero)
+    exponent = tirx.Cast(int_dtype, n) + 126
+    scale = tirx.reinterpret(dtype, tirx.shift_left(exponent, tirx.const(23, "int32")))
+    return poly * scale * 2.0
+
+
+def fast_erf(x):
+    """erf(x) for a float32 (or float32 vector) expression, as vectorizable arithmetic."""
+    x = tirx.max(tirx.min(x, tirx.const(4.0, "float32")), tirx.const(-4.0, "float32"))
+    x2 = x * x
+    return x * _horner(x2, _ERF_P) / _horner(x2, _ERF_Q)
+
+
+def _float32_only(rewrite):
+    def lower(call):
+        if str(call.ty.dtype).split("x")[0] != "float32":
+            return call
+        return rewrite(call.args[0])
+
+    return lower
+
+
+_registered = False
+
+
+def register_llvm_math():
+    """Make the LLVM target lower float32 ``exp``/``erf`` with the polynomials above
+    (once per process: TVM's op attribute registry is global)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    tirx.register_intrin_lowering("tirx.exp", target="llvm", f=_float32_only(fast_exp), level=_LOWERING_LEVEL)
+    tirx.register_intrin_lowering("tirx.erf", target="llvm", f=_float32_only(fast_erf), level=_LOWERING_LEVEL)
