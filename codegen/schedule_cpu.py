@@ -378,6 +378,11 @@ def _apply_fixes(sch: s_tir.Schedule, block, plan: _TilePlan):
 
 def _schedule_tiled(sch: s_tir.Schedule, block, info: _BlockInfo, plan: _TilePlan):
     write_back = sch.cache_write(block, 0, "local")
+    # The accumulator tile is named *_local but kept in "global" scope: TVM 0.27 puts a
+    # small global buffer on the stack, which LLVM promotes to registers, but allocates a
+    # "local" one with TVMBackendAllocWorkspace, whose pointer LLVM must assume aliases
+    # the operands (every multiply-add then stores and reloads its accumulator).
+    sch.set_scope(block, 0, "global")
     _vector_dim_last(sch, block, info, plan.vector)
     loops = sch.get_loops(block)
     outer, reduce_loops = [], []
