@@ -1,28 +1,11 @@
 """BERT: graph structure, torch-reference agreement, and state_dict round trip."""
 
-import time
 
 import numpy as np
 import pytest
 
-import souffle
 from souffle.graph import Scan
 from souffle.models import bert
-
-
-def _compile_and_check(cfg, config, weights):
-    graph = bert.build_graph(cfg, weights)
-    inputs = bert.make_inputs(cfg, seed=1)
-    start = time.perf_counter()
-    module = souffle.compile(graph, target="llvm")
-    compile_s = time.perf_counter() - start
-    rtol, atol = bert.TOLERANCE[config]
-    got = module.run(inputs)
-    expected = bert.torch_reference(cfg, weights)(inputs)
-    assert len(got) == len(expected) == 2
-    for name, g, e in zip(("last_hidden_state", "pooler_output"), got, expected):
-        np.testing.assert_allclose(g, e, rtol=rtol, atol=atol, err_msg=name)
-    return compile_s
 
 
 def _state_dict_weights(cfg):
@@ -52,24 +35,24 @@ def test_init_weights_match_torch_state_dict_and_are_deterministic():
     assert all(np.array_equal(weights[k], again[k]) for k in weights)
 
 
-def test_tiny_matches_torch():
+def test_tiny_matches_torch(check_against_torch):
     cfg = bert.CONFIGS["tiny"]
-    _compile_and_check(cfg, "tiny", bert.init_weights(cfg, seed=0))
+    check_against_torch(bert, cfg, bert.TOLERANCE["tiny"], bert.init_weights(cfg, seed=0))
 
 
-def test_tiny_torch_state_dict_round_trip():
+def test_tiny_torch_state_dict_round_trip(check_against_torch):
     cfg = bert.CONFIGS["tiny"]
-    _compile_and_check(cfg, "tiny", _state_dict_weights(cfg))
+    check_against_torch(bert, cfg, bert.TOLERANCE["tiny"], _state_dict_weights(cfg))
 
 
 @pytest.mark.slow
-def test_paper_matches_torch_and_compiles_fast():
+def test_paper_matches_torch_and_compiles_fast(check_against_torch):
     cfg = bert.CONFIGS["paper"]
-    compile_s = _compile_and_check(cfg, "paper", bert.init_weights(cfg, seed=0))
+    compile_s = check_against_torch(bert, cfg, bert.TOLERANCE["paper"], bert.init_weights(cfg, seed=0))
     assert compile_s < 120, f"paper BERT took {compile_s:.1f} s to compile"
 
 
 @pytest.mark.slow
-def test_paper_torch_state_dict_round_trip():
+def test_paper_torch_state_dict_round_trip(check_against_torch):
     cfg = bert.CONFIGS["paper"]
-    _compile_and_check(cfg, "paper", _state_dict_weights(cfg))
+    check_against_torch(bert, cfg, bert.TOLERANCE["paper"], _state_dict_weights(cfg))

@@ -1,8 +1,6 @@
 """The LSTM: one cell looped by nested scans, numerically torch.nn.LSTM."""
 
-import time
 
-import numpy as np
 import pytest
 
 from souffle import models
@@ -36,36 +34,18 @@ def test_outputs_have_torch_shapes():
     assert [spec.shape for spec in graph.output_specs()] == [(100, 1, 256), (10, 1, 256), (10, 1, 256)]
 
 
-def test_single_layer_has_no_layer_scan_and_matches_torch():
+def test_single_layer_has_no_layer_scan_and_matches_torch(check_against_torch):
     cfg = dict(lstm.CONFIGS["tiny"], num_layers=1)
     graph = lstm.build_graph(cfg, lstm.init_weights(cfg, 0))
     assert len(_scans(graph)) == 1
     assert [spec.shape for spec in graph.output_specs()] == [(5, 1, 16), (1, 1, 16), (1, 1, 16)]
-    _check_against_torch(cfg, lstm.TOLERANCE["tiny"])
+    check_against_torch(lstm, cfg, lstm.TOLERANCE["tiny"])
 
 
-def _check_against_torch(cfg, tolerance):
-    """Compile on LLVM and compare every output with torch.nn.LSTM; returns compile seconds."""
-    pytest.importorskip("torch")
-    import souffle
-
-    weights = lstm.init_weights(cfg, seed=0)
-    graph = lstm.build_graph(cfg, weights)
-    inputs = lstm.make_inputs(cfg, seed=1)
-    expected = lstm.torch_reference(cfg, weights)(inputs)
-    start = time.perf_counter()
-    module = souffle.compile(graph, target="llvm")
-    seconds = time.perf_counter() - start
-    rtol, atol = tolerance
-    for name, got, want in zip(graph.outputs, module.run(inputs), expected):
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=name)
-    return seconds
-
-
-def test_tiny_matches_torch():
-    _check_against_torch(lstm.CONFIGS["tiny"], lstm.TOLERANCE["tiny"])
+def test_tiny_matches_torch(check_against_torch):
+    check_against_torch(lstm, lstm.CONFIGS["tiny"], lstm.TOLERANCE["tiny"])
 
 
 @pytest.mark.slow
-def test_paper_matches_torch_and_compiles_in_time():
-    assert _check_against_torch(lstm.CONFIGS["paper"], lstm.TOLERANCE["paper"]) < 120
+def test_paper_matches_torch_and_compiles_in_time(check_against_torch):
+    assert check_against_torch(lstm, lstm.CONFIGS["paper"], lstm.TOLERANCE["paper"]) < 120

@@ -1,9 +1,9 @@
 """MMoE: separate expert ops (for horizontal fusion to merge), numerically the torch module."""
 
-import numpy as np
 import pytest
 
 from souffle import models
+from souffle.models import mmoe
 
 
 def test_experts_are_separate_dense_ops():
@@ -19,23 +19,10 @@ def test_one_probability_per_task():
     assert [spec.shape for spec in graph.output_specs()] == [(1, 1), (1, 1)]
 
 
-def _check_against_torch(config):
-    pytest.importorskip("torch")
-    import souffle
-
-    graph = models.build("mmoe", config, seed=0)
-    inputs = models.make_inputs("mmoe", config, seed=1)
-    expected = models.reference("mmoe", config, graph.weights)(inputs)
-    rtol, atol = models.tolerance("mmoe", config)
-    got = souffle.compile(graph, target="llvm").run(inputs)
-    for name, value, want in zip(graph.outputs, got, expected):
-        np.testing.assert_allclose(value, want, rtol=rtol, atol=atol, err_msg=name)
-
-
-def test_tiny_matches_torch():
-    _check_against_torch("tiny")
+def test_tiny_matches_torch(check_against_torch):
+    check_against_torch(mmoe, mmoe.CONFIGS["tiny"], mmoe.TOLERANCE["tiny"])
 
 
 @pytest.mark.slow
-def test_paper_matches_torch():
-    _check_against_torch("paper")
+def test_paper_matches_torch(check_against_torch):
+    check_against_torch(mmoe, mmoe.CONFIGS["paper"], mmoe.TOLERANCE["paper"])

@@ -1,26 +1,11 @@
 """ResNeXt: graph structure, torch-reference agreement, and state_dict round trip."""
 
-import time
 
 import numpy as np
 import pytest
 
-import souffle
 from souffle.graph import Scan
 from souffle.models import resnext
-
-
-def _compile_and_check(cfg, config, weights):
-    graph = resnext.build_graph(cfg, weights)
-    inputs = resnext.make_inputs(cfg, seed=1)
-    start = time.perf_counter()
-    module = souffle.compile(graph, target="llvm")
-    compile_s = time.perf_counter() - start
-    rtol, atol = resnext.TOLERANCE[config]
-    (got,) = module.run(inputs)
-    (expected,) = resnext.torch_reference(cfg, weights)(inputs)
-    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
-    return compile_s
 
 
 def _state_dict_weights(cfg):
@@ -55,23 +40,23 @@ def test_init_weights_match_torch_state_dict_and_are_deterministic():
     assert all(np.array_equal(weights[k], again[k]) for k in weights)
 
 
-def test_tiny_matches_torch():
+def test_tiny_matches_torch(check_against_torch):
     cfg = resnext.CONFIGS["tiny"]
-    _compile_and_check(cfg, "tiny", resnext.init_weights(cfg, seed=0))
+    check_against_torch(resnext, cfg, resnext.TOLERANCE["tiny"], resnext.init_weights(cfg, seed=0))
 
 
-def test_tiny_torch_state_dict_round_trip():
+def test_tiny_torch_state_dict_round_trip(check_against_torch):
     cfg = resnext.CONFIGS["tiny"]
-    _compile_and_check(cfg, "tiny", _state_dict_weights(cfg))
+    check_against_torch(resnext, cfg, resnext.TOLERANCE["tiny"], _state_dict_weights(cfg))
 
 
 @pytest.mark.slow
-def test_paper_matches_torch():
+def test_paper_matches_torch(check_against_torch):
     cfg = resnext.CONFIGS["paper"]
-    _compile_and_check(cfg, "paper", resnext.init_weights(cfg, seed=0))
+    check_against_torch(resnext, cfg, resnext.TOLERANCE["paper"], resnext.init_weights(cfg, seed=0))
 
 
 @pytest.mark.slow
-def test_paper_torch_state_dict_round_trip():
+def test_paper_torch_state_dict_round_trip(check_against_torch):
     cfg = resnext.CONFIGS["paper"]
-    _compile_and_check(cfg, "paper", _state_dict_weights(cfg))
+    check_against_torch(resnext, cfg, resnext.TOLERANCE["paper"], _state_dict_weights(cfg))
