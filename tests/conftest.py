@@ -1,13 +1,10 @@
-"""Shared test helpers: run one registered op end to end; check a model against PyTorch."""
-
-import time
+"""Shared test helpers: run one registered op end to end on the CPU."""
 
 import numpy as np
 import pytest
 import tvm
 from tvm import te
 
-import souffle
 from souffle.graph import TensorSpec
 from souffle.ops import infer_outputs, lower_op
 
@@ -44,25 +41,3 @@ def rng():
     """Seeded per test, so every test's inputs are reproducible on their own."""
     return np.random.default_rng(0)
 
-
-def check_against_torch(model, cfg, tolerance, weights=None, seed=1):
-    """Compile ``model``'s graph for LLVM, run it and the model's PyTorch reference on the same
-    weights and inputs, compare every output; returns the compile time in seconds."""
-    weights = model.init_weights(cfg, seed=0) if weights is None else weights
-    graph = model.build_graph(cfg, weights)
-    inputs = model.make_inputs(cfg, seed=seed)
-    start = time.perf_counter()
-    compiled = souffle.compile(graph, target="llvm")
-    compile_seconds = time.perf_counter() - start
-    got = compiled.run(inputs)
-    expected = model.torch_reference(cfg, weights)(inputs)
-    assert len(got) == len(expected) == len(graph.outputs)
-    rtol, atol = tolerance
-    for name, value, want in zip(graph.outputs, got, expected):
-        np.testing.assert_allclose(value, want, rtol=rtol, atol=atol, err_msg=name)
-    return compile_seconds
-
-
-@pytest.fixture(name="check_against_torch")
-def check_against_torch_fixture():
-    return check_against_torch

@@ -1,17 +1,14 @@
 """BERT: graph structure, torch-reference agreement, and state_dict round trip."""
 
-
-import numpy as np
 import pytest
+from model_checks import (
+    check_against_torch,
+    check_init_weights_match_torch,
+    torch_state_dict_weights,
+)
 
 from souffle.graph import Scan
 from souffle.models import bert
-
-
-def _state_dict_weights(cfg):
-    """A torch module's own initialization, exported as a user would export real weights."""
-    state = bert.torch_module(cfg).state_dict()
-    return {k: v.numpy() for k, v in state.items() if not k.endswith(bert.IGNORED_SUFFIXES)}
 
 
 def test_tiny_graph_is_one_scan_over_layers():
@@ -26,33 +23,27 @@ def test_tiny_graph_is_one_scan_over_layers():
 
 
 def test_init_weights_match_torch_state_dict_and_are_deterministic():
-    cfg = bert.CONFIGS["tiny"]
-    weights = bert.init_weights(cfg, seed=0)
-    state = bert.torch_module(cfg, weights).state_dict()
-    assert set(weights) == {k for k in state if not k.endswith(bert.IGNORED_SUFFIXES)}
-    assert all(tuple(state[k].shape) == v.shape and v.dtype == np.float32 for k, v in weights.items())
-    again = bert.init_weights(cfg, seed=0)
-    assert all(np.array_equal(weights[k], again[k]) for k in weights)
+    check_init_weights_match_torch(bert, bert.CONFIGS["tiny"])
 
 
-def test_tiny_matches_torch(check_against_torch):
+def test_tiny_matches_torch():
     cfg = bert.CONFIGS["tiny"]
     check_against_torch(bert, cfg, bert.TOLERANCE["tiny"], bert.init_weights(cfg, seed=0))
 
 
-def test_tiny_torch_state_dict_round_trip(check_against_torch):
+def test_tiny_torch_state_dict_round_trip():
     cfg = bert.CONFIGS["tiny"]
-    check_against_torch(bert, cfg, bert.TOLERANCE["tiny"], _state_dict_weights(cfg))
+    check_against_torch(bert, cfg, bert.TOLERANCE["tiny"], torch_state_dict_weights(bert, cfg))
 
 
 @pytest.mark.slow
-def test_paper_matches_torch_and_compiles_fast(check_against_torch):
+def test_paper_matches_torch_and_compiles_fast():
     cfg = bert.CONFIGS["paper"]
     compile_s = check_against_torch(bert, cfg, bert.TOLERANCE["paper"], bert.init_weights(cfg, seed=0))
     assert compile_s < 120, f"paper BERT took {compile_s:.1f} s to compile"
 
 
 @pytest.mark.slow
-def test_paper_torch_state_dict_round_trip(check_against_torch):
+def test_paper_torch_state_dict_round_trip():
     cfg = bert.CONFIGS["paper"]
-    check_against_torch(bert, cfg, bert.TOLERANCE["paper"], _state_dict_weights(cfg))
+    check_against_torch(bert, cfg, bert.TOLERANCE["paper"], torch_state_dict_weights(bert, cfg))

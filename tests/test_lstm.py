@@ -1,7 +1,7 @@
 """The LSTM: one cell looped by nested scans, numerically torch.nn.LSTM."""
 
-
 import pytest
+from model_checks import check_against_torch
 
 from souffle import models
 from souffle.graph import Scan
@@ -34,7 +34,7 @@ def test_outputs_have_torch_shapes():
     assert [spec.shape for spec in graph.output_specs()] == [(100, 1, 256), (10, 1, 256), (10, 1, 256)]
 
 
-def test_single_layer_has_no_layer_scan_and_matches_torch(check_against_torch):
+def test_single_layer_has_no_layer_scan_and_matches_torch():
     cfg = dict(lstm.CONFIGS["tiny"], num_layers=1)
     graph = lstm.build_graph(cfg, lstm.init_weights(cfg, 0))
     assert len(_scans(graph)) == 1
@@ -42,10 +42,10 @@ def test_single_layer_has_no_layer_scan_and_matches_torch(check_against_torch):
     check_against_torch(lstm, cfg, lstm.TOLERANCE["tiny"])
 
 
-def test_tiny_matches_torch(check_against_torch):
+def test_tiny_matches_torch():
     check_against_torch(lstm, lstm.CONFIGS["tiny"], lstm.TOLERANCE["tiny"])
 
 
 @pytest.mark.slow
-def test_paper_matches_torch_and_compiles_in_time(check_against_torch):
+def test_paper_matches_torch_and_compiles_in_time():
     assert check_against_torch(lstm, lstm.CONFIGS["paper"], lstm.TOLERANCE["paper"]) < 120

@@ -1,6 +1,7 @@
 """MMoE: separate expert ops (for horizontal fusion to merge), numerically the torch module."""
 
 import pytest
+from model_checks import check_against_torch
 
 from souffle import models
 from souffle.models import mmoe
@@ -19,10 +20,10 @@ def test_one_probability_per_task():
     assert [spec.shape for spec in graph.output_specs()] == [(1, 1), (1, 1)]
 
 
-def test_tiny_matches_torch(check_against_torch):
+def test_tiny_matches_torch():
     check_against_torch(mmoe, mmoe.CONFIGS["tiny"], mmoe.TOLERANCE["tiny"])
 
 
 @pytest.mark.slow
-def test_paper_matches_torch(check_against_torch):
+def test_paper_matches_torch():
     check_against_torch(mmoe, mmoe.CONFIGS["paper"], mmoe.TOLERANCE["paper"])

@@ -1,17 +1,15 @@
 """ResNeXt: graph structure, torch-reference agreement, and state_dict round trip."""
 
-
 import numpy as np
 import pytest
+from model_checks import (
+    check_against_torch,
+    check_init_weights_match_torch,
+    torch_state_dict_weights,
+)
 
 from souffle.graph import Scan
 from souffle.models import resnext
-
-
-def _state_dict_weights(cfg):
-    """A torch module's own initialization, exported as a user would export real weights."""
-    state = resnext.torch_module(cfg).state_dict()
-    return {k: v.numpy() for k, v in state.items() if not k.endswith(resnext.IGNORED_SUFFIXES)}
 
 
 @pytest.mark.parametrize("config", ["tiny", "paper"])
@@ -30,33 +28,27 @@ def test_repeated_blocks_are_one_scan_per_stage(config):
 
 
 def test_init_weights_match_torch_state_dict_and_are_deterministic():
-    cfg = resnext.CONFIGS["tiny"]
-    weights = resnext.init_weights(cfg, seed=0)
-    state = resnext.torch_module(cfg, weights).state_dict()
-    assert set(weights) == {k for k in state if not k.endswith(resnext.IGNORED_SUFFIXES)}
-    assert all(tuple(state[k].shape) == v.shape and v.dtype == np.float32 for k, v in weights.items())
+    weights = check_init_weights_match_torch(resnext, resnext.CONFIGS["tiny"])
     assert all(v.min() > 0 for k, v in weights.items() if k.endswith("running_var"))
-    again = resnext.init_weights(cfg, seed=0)
-    assert all(np.array_equal(weights[k], again[k]) for k in weights)
 
 
-def test_tiny_matches_torch(check_against_torch):
+def test_tiny_matches_torch():
     cfg = resnext.CONFIGS["tiny"]
     check_against_torch(resnext, cfg, resnext.TOLERANCE["tiny"], resnext.init_weights(cfg, seed=0))
 
 
-def test_tiny_torch_state_dict_round_trip(check_against_torch):
+def test_tiny_torch_state_dict_round_trip():
     cfg = resnext.CONFIGS["tiny"]
-    check_against_torch(resnext, cfg, resnext.TOLERANCE["tiny"], _state_dict_weights(cfg))
+    check_against_torch(resnext, cfg, resnext.TOLERANCE["tiny"], torch_state_dict_weights(resnext, cfg))
 
 
 @pytest.mark.slow
-def test_paper_matches_torch(check_against_torch):
+def test_paper_matches_torch():
     cfg = resnext.CONFIGS["paper"]
     check_against_torch(resnext, cfg, resnext.TOLERANCE["paper"], resnext.init_weights(cfg, seed=0))
 
 
 @pytest.mark.slow
-def test_paper_torch_state_dict_round_trip(check_against_torch):
+def test_paper_torch_state_dict_round_trip():
     cfg = resnext.CONFIGS["paper"]
-    check_against_torch(resnext, cfg, resnext.TOLERANCE["paper"], _state_dict_weights(cfg))
+    check_against_torch(resnext, cfg, resnext.TOLERANCE["paper"], torch_state_dict_weights(resnext, cfg))
