@@ -66,14 +66,6 @@ class LoopRegion:
     scan: Scan
     body: "TEProgram"
 
-    @property
-    def inputs(self) -> list[str]:
-        return list(dict.fromkeys(self.scan.inputs))
-
-    @property
-    def outputs(self) -> list[str]:
-        return list(self.scan.outputs)
-
 
 @dataclass
 class TEProgram:
