@@ -1,4 +1,4 @@
-"""The ``souffle`` command: compile, run and check the paper's models."""
+"""The ``souffle`` command: compile, run, check and analyse the paper's models."""
 
 from __future__ import annotations
 
@@ -43,6 +43,18 @@ def _compile(args) -> int:
     return status
 
 
+def _analyze(args) -> int:
+    from analysis import analyze
+    from analysis.device import get_device
+    from souffle import models
+    from souffle.lower import lower_graph
+
+    device = get_device(args.device)
+    result = analyze(lower_graph(models.structure(args.model, config=args.config)), device)
+    print(json.dumps(result.to_json(), indent=2) if args.json else result)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from souffle.models import MODELS
 
@@ -58,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
     compile_cmd.add_argument("--explain", action="store_true", help="print the graph and the global TE program")
     compile_cmd.add_argument("--json", action="store_true", help="print the report as JSON")
     compile_cmd.set_defaults(run=_compile)
+    analyze_cmd = commands.add_parser(
+        "analyze", help="classify every TE's dependences, reuse, FLOPs and bytes (the global analysis)")
+    analyze_cmd.add_argument("model", help=f"one of: {', '.join(MODELS)}")
+    analyze_cmd.add_argument("--config", default="tiny", help="tiny (tests) or paper (the paper's sizes)")
+    analyze_cmd.add_argument("--device", default="h200", help="device model for the roofline: h200, a100 or cpu")
+    analyze_cmd.add_argument("--json", action="store_true", help="print every TE and the summary as JSON")
+    analyze_cmd.set_defaults(run=_analyze)
     return parser
 
 

@@ -32,5 +32,12 @@ class UnknownModelError(SouffleError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnknownDeviceError(SouffleError, KeyError):
+    """A device name with no model in ``analysis.device``."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
 class TargetError(SouffleError, RuntimeError):
     """A compilation target that is unknown or not available on this machine."""

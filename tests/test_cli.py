@@ -35,3 +35,28 @@ def test_bad_arguments_exit_2_with_a_reason(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("souffle: error: ") and message in err
+
+
+def test_analyze_prints_a_row_per_te_and_a_summary(capsys):
+    assert main(["analyze", "lstm"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:4] == ["TE", "op", "runs", "deps"]
+    assert "layers/time/dense_2.T_matmul_NT" in out and "1:many" in out
+    assert "lstm on h200: 46 TEs" in out
+
+
+def test_analyze_json_for_tools(capsys):
+    assert main(["analyze", "mmoe", "--device", "a100", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["summary"]["device"] == "a100"
+    assert len(result["stages"]) == result["summary"]["tes"]
+    assert {"name", "op", "inputs", "flops", "bytes_read", "intensity", "bound"} <= set(result["stages"][0])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["analyze", "lstm", "--device", "tpu"], "unknown device 'tpu'; known devices: h200, a100, cpu"),
+    (["analyze", "gpt5"], "unknown model 'gpt5'"),
+])
+def test_analyze_refuses_unknown_names(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

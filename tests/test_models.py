@@ -36,6 +36,13 @@ def test_build_returns_a_graph_with_weights(name):
     assert 0 < rtol <= 1e-4 and 0 < atol <= 1e-4
 
 
+@pytest.mark.parametrize("name", models.MODELS)
+def test_structure_is_the_graph_without_weights(name):
+    shape_only, weighted = models.structure(name, "tiny"), models.build(name, "tiny")
+    assert shape_only.weights is None and shape_only.params == weighted.params
+    assert models.structure(name, "paper").params != weighted.params  # the paper's sizes
+
+
 def test_config_is_a_copy():
     models.config("lstm", "tiny")["hidden_size"] = 1
     assert models.config("lstm", "tiny")["hidden_size"] == 16
@@ -69,7 +76,7 @@ def test_a_torch_state_dict_loads_as_it_is():
 @pytest.mark.parametrize("name", models.MODELS)
 def test_missing_weight_is_named(name):
     weights = models.build(name).weights
-    dropped = sorted(weights)[-1]
+    dropped = max(weights)
     del weights[dropped]
     with pytest.raises(WeightError, match=re.escape(f"missing 1: '{dropped}'")):
         models.build(name, weights=weights)

@@ -18,8 +18,8 @@ Modules are imported lazily, so building one model never imports another's depen
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Callable, Mapping
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from souffle.graph import Graph
 
 MODELS = ("lstm", "bert", "resnext", "mmoe")
 
-__all__ = ["MODELS", "get", "build", "config", "make_inputs", "reference", "tolerance"]
+__all__ = ["MODELS", "build", "config", "get", "make_inputs", "reference", "structure", "tolerance"]
 
 
 def get(name: str) -> ModuleType:
@@ -56,6 +56,11 @@ def build(name: str, config: str = "tiny", seed: int = 0, weights: Mapping[str, 
     else:
         weights = _parameters(module, weights)
     return module.build_graph(cfg, weights)
+
+
+def structure(name: str, config: str = "tiny") -> Graph:
+    """Model ``name``'s graph with parameter shapes but no weight arrays: all the analysis needs."""
+    return get(name).build_graph(_config(name, config), None)
 
 
 def make_inputs(name: str, config: str = "tiny", seed: int = 0) -> dict[str, np.ndarray]:

@@ -1,0 +1,165 @@
+"""Per-TE cost figures for the roofline model: FLOPs, bytes written, intensity, bound.
+
+Everything here is a pure function of one TE (and the device); the bytes a TE reads depend on
+which of its inputs stay on chip, which the caller decides, so they are passed in.
+
+FLOP counting rule. A TE's FLOPs are (points of its iteration domain: the product of its spatial
+and reduce axis extents) x (floating-point operations per point). Per point, each output's body is
+walked as a tree and each of these nodes whose result is a float counts 1:
+
+- a binary arithmetic node (+ - * / % floordiv floormod min max);
+- a call of an intrinsic (exp, erf, tanh, sigmoid, sqrt, rsqrt, log, pow, ...).
+
+Free (0, but their float operands are walked): select, if_then_else, casts, let. Not walked at
+all: tensor loads' indices (address arithmetic is not FLOPs), comparisons and logical operators
+and whatever sits under them (predicates are not FLOPs), integer arithmetic of any kind. A
+reduction costs its sources plus its combiner's results (``x + y`` is 1, ``max(x, y)`` is 1) per
+point; its ``init`` is once per output element and is not counted. The tree is counted as
+written, a subexpression used twice costs twice. In a multi-output TE (a tuple reduction such as
+argmax) the outputs share one reduction: its sources and all its combiner results are counted
+once for the TE, not once per output. So a matmul TE is 2*M*N*K, a convolution 2*N*K*(C/groups)*
+R*S*P*Q and a relu M*N.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm import te, tirx
+
+from analysis.device import DeviceModel
+
+_ARITHMETIC = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max)
+_PREDICATES = (tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or, tirx.Not)
+_LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, tvm.ir.StringImm, tirx.Ramp)
+_TENSOR_LOAD = "te.tensor_load"
+_IF_THEN_ELSE = "prim.if_then_else"
+_LIKELY = "prim.likely"
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes of one element of ``dtype`` (a string or TVM dtype); sub-byte types round up."""
+    dt = tvm.DataType(str(dtype))
+    return (dt.bits * dt.lanes + 7) // 8
+
+
+def bytes_written(stage: te.Tensor) -> int:
+    """Bytes of all of the TE's outputs, each written once."""
+    op = stage.op
+    return sum(_elements(op.output(i)) * dtype_bytes(op.output(i).dtype) for i in range(op.num_outputs))
+
+
+def count_flops(stage: te.Tensor) -> int:
+    """Floating-point operations of the whole TE (see the module docstring for the rule)."""
+    op = stage.op
+    per_point = 0
+    counted_reductions: list[tirx.Reduce] = []
+    for body in op.body:
+        if isinstance(body, tirx.Reduce):
+            if any(_same_reduction(body, seen) for seen in counted_reductions):
+                continue
+            counted_reductions.append(body)
+        per_point += _flops_per_point(body)
+    return _domain_points(op) * per_point
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """A TE's roofline figures on one device."""
+
+    flops: int
+    bytes_read: int
+    bytes_written: int
+    intensity: float  # FLOP per byte moved; 0.0 when no bytes move
+    bound: str  # "compute" or "memory"
+    time_s: float  # roofline estimate: max(compute time, memory time)
+
+
+def stage_cost(stage: te.Tensor, bytes_read: int, device: DeviceModel) -> StageCost:
+    """Roofline cost of ``stage`` on ``device``, reading ``bytes_read`` bytes from device memory.
+
+    The peak is that of the TE's (first) output dtype; a TE with no FLOPs is memory-bound
+    whatever its dtype, so integer TEs (indices, shapes) need no integer peak.
+    """
+    flops = count_flops(stage)
+    written = bytes_written(stage)
+    moved = bytes_read + written
+    intensity = flops / moved if moved else 0.0
+    memory_time = moved / device.mem_bandwidth
+    if flops == 0:
+        return StageCost(flops, bytes_read, written, intensity, "memory", memory_time)
+    dtype = stage.dtype
+    bound = "compute" if intensity >= device.ridge_point(dtype) else "memory"
+    return StageCost(flops, bytes_read, written, intensity, bound, max(flops / device.peak(dtype), memory_time))
+
+
+def _domain_points(op: te.ComputeOp) -> int:
+    """Points of the TE's iteration domain, spatial x reduce.
+
+    A reduce extent that varies with the output point (adaptive pooling's unequal windows) is
+    evaluated at each value of the spatial axes it depends on and summed, so the count stays exact.
+    """
+    spatial = [int(ax.dom.extent) for ax in op.axis]
+    analyzer = tvm.sym.Analyzer()
+    for ax in op.axis:
+        analyzer.bind(ax.var, ax.dom)
+    extents = [analyzer.simplify(r.dom.extent) for r in op.reduce_axis]
+    fixed = math.prod(int(e) for e in extents if isinstance(e, tirx.IntImm))
+    varying = [e for e in extents if not isinstance(e, tirx.IntImm)]
+    if not varying:
+        return math.prod(spatial) * fixed
+    used = [v for e in varying for v in tirx.analysis.undefined_vars(e)]
+    dependent = [i for i, ax in enumerate(op.axis) if any(ax.var.same_as(v) for v in used)]
+    others = math.prod(n for i, n in enumerate(spatial) if i not in dependent)
+    varying_points = 0
+    for point in itertools.product(*(range(spatial[i]) for i in dependent)):
+        at_point = tvm.sym.Analyzer()
+        for i, value in zip(dependent, point):
+            var = op.axis[i].var
+            at_point.bind(var, tirx.const(value, var.ty.dtype))
+        varying_points += math.prod(int(at_point.simplify(e)) for e in varying)
+    return others * fixed * varying_points
+
+
+def _elements(tensor: te.Tensor) -> int:
+    return math.prod(int(d) for d in tensor.shape)
+
+
+def _same_reduction(a: tirx.Reduce, b: tirx.Reduce) -> bool:
+    """Whether two bodies are outputs of one tuple reduction (same combiner, same sources)."""
+    return (a.combiner.same_as(b.combiner) and len(a.source) == len(b.source)
+            and all(x.same_as(y) for x, y in zip(a.source, b.source)))
+
+
+def _is_float(expr) -> bool:
+    return expr.ty.dtype.is_float
+
+
+def _flops_per_point(expr) -> int:
+    """Float operations one evaluation of ``expr`` performs."""
+    if isinstance(expr, _ARITHMETIC):
+        return _is_float(expr) + _flops_per_point(expr.a) + _flops_per_point(expr.b)
+    if isinstance(expr, tvm.ir.Call):
+        name = expr.op.name if isinstance(expr.op, tvm.ir.Op) else None
+        if name in (_TENSOR_LOAD, _LIKELY):
+            return 0
+        if name == _IF_THEN_ELSE:
+            return _flops_per_point(expr.args[1]) + _flops_per_point(expr.args[2])
+        own = 1 if name is not None and _is_float(expr) else 0
+        return own + sum(_flops_per_point(arg) for arg in expr.args)
+    if isinstance(expr, tirx.Reduce):
+        return sum(_flops_per_point(e) for e in expr.source) + sum(_flops_per_point(e) for e in expr.combiner.result)
+    if isinstance(expr, tirx.Select):
+        return _flops_per_point(expr.true_value) + _flops_per_point(expr.false_value)
+    if isinstance(expr, tirx.Cast):
+        return _flops_per_point(expr.value)
+    if isinstance(expr, tirx.Let):
+        return _flops_per_point(expr.value) + _flops_per_point(expr.body)
+    if isinstance(expr, tirx.Broadcast):
+        return _flops_per_point(expr.value)
+    if isinstance(expr, _PREDICATES + _LEAVES):
+        return 0
+    raise TypeError(f"cannot count the FLOPs of a {type(expr).__name__} node: {expr}")

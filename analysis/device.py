@@ -1,0 +1,214 @@
+"""Device models: the few hardware figures the cost model, partitioning and grid sizing need.
+
+The two GPUs are published figures (vendor datasheets for peak throughput and bandwidth,
+the architecture whitepapers for SM count and L2, the CUDA C++ Programming Guide's table
+"Technical Specifications per Compute Capability" for the per-SM and per-block limits).
+The local CPU is described from ``/proc/cpuinfo`` and a measured memory copy, once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from souffle.errors import UnknownDeviceError
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """One device. Sizes in bytes, throughputs per second, limits as the CUDA occupancy rules use them."""
+
+    name: str
+    kind: str  # "gpu" or "cpu"
+    arch: str  # "sm_90", "sm_80", or the CPU's model string
+    sms: int  # streaming multiprocessors (cores for a CPU)
+    peak_flops: dict[str, float] = field(hash=False)  # dtype -> FLOP/s
+    mem_bandwidth: float  # bytes/s to device memory
+    smem_per_sm: int
+    smem_per_block: int  # the most one block may opt in to
+    regs_per_sm: int  # 32-bit registers
+    regs_per_block: int
+    max_regs_per_thread: int
+    max_threads_per_block: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    warp_size: int
+    l2_bytes: int
+
+    def peak(self, dtype) -> float:
+        """Peak FLOP/s for arithmetic in ``dtype``; a dtype the table lacks is refused, never guessed."""
+        try:
+            return self.peak_flops[str(dtype)]
+        except KeyError:
+            known = ", ".join(self.peak_flops)
+            raise ValueError(f"device {self.name!r} has no peak throughput for dtype {str(dtype)!r} "
+                             f"(known: {known})") from None
+
+    def ridge_point(self, dtype) -> float:
+        """Arithmetic intensity (FLOP per byte) above which a kernel in ``dtype`` is compute-bound."""
+        return self.peak(dtype) / self.mem_bandwidth
+
+
+# NVIDIA H200 SXM (GH100, compute capability 9.0). H200 datasheet: 4.8 TB/s HBM3e, FP32 67 TFLOP/s,
+# FP16 tensor core 1,979 TFLOP/s with 2:4 sparsity, i.e. 989.5 dense. H100 architecture whitepaper
+# (same SXM die configuration): 132 SMs, 50 MB L2. CUDA Programming Guide, cc 9.0: 228 KB shared memory
+# per SM, 227 KB per block, 64K registers per SM and per block, 255 per thread, 1024 threads per block,
+# 2048 per SM, 32 blocks per SM.
+H200 = DeviceModel(
+    name="h200",
+    kind="gpu",
+    arch="sm_90",
+    sms=132,
+    peak_flops={"float32": 67e12, "float16": 989.5e12},
+    mem_bandwidth=4.8e12,
+    smem_per_sm=228 * KiB,
+    smem_per_block=227 * KiB,
+    regs_per_sm=64 * KiB,
+    regs_per_block=64 * KiB,
+    max_regs_per_thread=255,
+    max_threads_per_block=1024,
+    max_threads_per_sm=2048,
+    max_blocks_per_sm=32,
+    warp_size=32,
+    l2_bytes=50 * MiB,
+)
+
+# NVIDIA A100 SXM4 40GB (GA100, compute capability 8.0). A100 datasheet: 1,555 GB/s HBM2, FP32
+# 19.5 TFLOP/s, FP16 tensor core 312 TFLOP/s dense. A100 architecture whitepaper: 108 SMs, 40 MB L2.
+# CUDA Programming Guide, cc 8.0: 164 KB shared memory per SM, 163 KB per block, 64K registers per
+# SM and per block, 255 per thread, 1024 threads per block, 2048 per SM, 32 blocks per SM.
+A100 = DeviceModel(
+    name="a100",
+    kind="gpu",
+    arch="sm_80",
+    sms=108,
+    peak_flops={"float32": 19.5e12, "float16": 312e12},
+    mem_bandwidth=1.555e12,
+    smem_per_sm=164 * KiB,
+    smem_per_block=163 * KiB,
+    regs_per_sm=64 * KiB,
+    regs_per_block=64 * KiB,
+    max_regs_per_thread=255,
+    max_threads_per_block=1024,
+    max_threads_per_sm=2048,
+    max_blocks_per_sm=32,
+    warp_size=32,
+    l2_bytes=40 * MiB,
+)
+
+_GPUS = {"h200": H200, "a100": A100}
+DEVICES = (*_GPUS, "cpu")
+
+DEFAULT_CPU_CLOCK_HZ = 2.0e9  # used only where /proc/cpuinfo gives no "cpu MHz"
+_COPY_BYTES = 64 * MiB
+
+
+def get_device(name: str) -> DeviceModel:
+    """The model of device ``name`` (case-insensitive); the CPU is described on first use."""
+    key = str(name).lower()
+    if key == "cpu":
+        return local_cpu()
+    if key in _GPUS:
+        return _GPUS[key]
+    raise UnknownDeviceError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}")
+
+
+@functools.cache
+def local_cpu() -> DeviceModel:
+    """This machine's CPU as a device, mapped onto the GPU fields.
+
+    Peak: logical cores (``os.cpu_count()``) x fp32 SIMD lanes (16 with AVX-512, 8 with AVX2/FMA,
+    else 4) x 2 (an FMA is two FLOPs) x 2 FMA units x the "cpu MHz" clock, an upper bound where
+    hyperthreads share a core's units or a core has one FMA unit; float16 gets the same figure, as
+    no CPU path here computes fp16 faster.
+    Bandwidth is measured (``measure_copy_bandwidth``). A core plays an SM: its private L2 stands
+    for shared memory, the last-level cache for the GPU's L2, its vector register file (in 32-bit
+    words) for registers, and its SIMD lanes for a warp; a block is one thread on one core.
+    Without /proc/cpuinfo the model string is ``platform.processor()`` and the clock
+    ``DEFAULT_CPU_CLOCK_HZ``.
+    """
+    info = _cpuinfo()
+    flags = set(info.get("flags", info.get("Features", "")).split())
+    lanes = 16 if "avx512f" in flags else 8 if flags & {"avx2", "fma"} else 4
+    clock = float(info["cpu MHz"]) * 1e6 if "cpu MHz" in info else DEFAULT_CPU_CLOCK_HZ
+    cores = os.cpu_count() or 1
+    peak = cores * lanes * 2 * 2 * clock
+    vector_regs = lanes * (32 if "avx512f" in flags or platform.machine() in ("aarch64", "arm64") else 16)
+    caches = _cache_sizes()
+    private_l2 = caches.get(2, 0)
+    return DeviceModel(
+        name="cpu",
+        kind="cpu",
+        arch=info.get("model name") or platform.processor() or platform.machine() or "unknown CPU",
+        sms=cores,
+        peak_flops={"float32": peak, "float16": peak},
+        mem_bandwidth=measure_copy_bandwidth(),
+        smem_per_sm=private_l2,
+        smem_per_block=private_l2,
+        regs_per_sm=vector_regs,
+        regs_per_block=vector_regs,
+        max_regs_per_thread=vector_regs,
+        max_threads_per_block=1,
+        max_threads_per_sm=1,
+        max_blocks_per_sm=1,
+        warp_size=lanes,
+        l2_bytes=caches[max(caches)] if caches else 0,
+    )
+
+
+def measure_copy_bandwidth(nbytes: int = _COPY_BYTES, repeats: int = 3) -> float:
+    """Bytes/s of the best of ``repeats`` single-threaded numpy copies (read + write counted).
+
+    One thread rarely saturates a multi-channel memory system, so this is a lower bound on what
+    all cores together can stream; it takes a few tens of milliseconds.
+    """
+    source = np.ones(nbytes // 8)
+    target = np.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.nbytes / best
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's "key: value" lines of /proc/cpuinfo; empty where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    info: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if info:
+                break
+            continue
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    return info
+
+
+def _cache_sizes() -> dict[int, int]:
+    """Data/unified cache size in bytes by level, as cpu0 sees it (sysfs); empty where unreadable."""
+    sizes: dict[int, int] = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": KiB, "M": MiB}
+        sizes[level] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return sizes
