@@ -352,7 +352,8 @@ class Edge:
 
     access: AccessRelation
     name: str  # the input as a user knows it: graph tensor, weight, or "op.te" for an intermediate
-    producer: te.Tensor | None  # the TE that computes the input, None for graph inputs and weights
+    producer: te.Tensor | None  # the TE that computes the input (for a carry: in the previous
+    # iteration), None for graph inputs, weights and loop slices/invariants
     mapping: str
     one_relies_on_one: bool
     fan_in: int  # elements of the input one (representative) output element reads
@@ -472,6 +473,9 @@ def _collect(program, loops: tuple, prefix: str, out: list[StageDependence], sca
     from souffle.lower import LoopRegion
 
     roles = _placeholder_roles(program.graph, scan)
+    computed = {n: t for r in program.regions if not isinstance(r, LoopRegion) for n, t in r.tensors.items()
+                if isinstance(t.op, te.ComputeOp)}
+    carried_from = {c[0]: computed.get(c[1]) for c in (scan.carry if scan is not None else ())}
     for region in program.regions:
         if isinstance(region, LoopRegion):
             _collect(region.body, loops + ((region.name, region.scan.length),), f"{prefix}{region.name}/", out,
@@ -488,6 +492,8 @@ def _collect(program, loops: tuple, prefix: str, out: list[StageDependence], sca
                     producer = access.tensor
                 name = _display_name(access.tensor, region.op_of.get(tensor_op), names)
                 role = "intermediate" if producer is not None else roles.get(name, "input")
+                if role == "carry":
+                    producer = carried_from[name]  # written by the previous iteration
                 entry.edges.append(Edge(access, prefix + name, producer, mapping, one, fan_in,
                                         count_points(access.spatial.range()), reason, role))
             out.append(entry)

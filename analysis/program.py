@@ -1,4 +1,4 @@
-"""The global analysis as one function: dependences -> reuse -> characterization.
+"""The global analysis as one function: dependences -> reuse -> chains -> characterization.
 
 ``analyze(program, device)`` is what ``souffle analyze`` prints and what the
 partitioner and the transforms read: one row per TE with its classified inputs,
@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from analysis.affine import Chain, find_chains
 from analysis.characterize import StageCost, dtype_bytes, stage_cost
 from analysis.dependence import (
     MANY_TO_MANY,
@@ -73,6 +74,7 @@ class ProgramAnalysis:
     stages: list[StageAnalysis]
     dependences: Dependences
     reuse: Reuse
+    chains: list[Chain]  # data-movement chains and the one map each composes to
     seconds: float  # how long the analysis took
 
     def summary(self) -> dict:
@@ -96,13 +98,18 @@ class ProgramAnalysis:
             "memory_bound": sum(s.cost.bound == "memory" for s in self.stages),
             "roofline_time_unfused_s": sum(s.cost.time_s * s.trips for s in self.stages),
             "temporally_reused_tensors": len(self.reuse.temporal),
+            "data_movement_chains": len(self.chains),
+            "data_movement_tes": len({n for c in self.chains for n in c.names}),
             "analysis_seconds": round(self.seconds, 3),
         }
 
     def to_json(self) -> dict:
         return {"summary": self.summary(), "stages": [s.row() for s in self.stages],
                 "temporal_reuse": [{"tensor": t.tensor, "bytes": t.bytes, "readers": list(t.readers),
-                                    "iterations": t.iterations} for t in self.reuse.temporal]}
+                                    "iterations": t.iterations} for t in self.reuse.temporal],
+                "data_movement_chains": [{"tes": list(c.names), "source": c.source, "map": str(c.composed.map),
+                                          "source_indices": [str(e) for e in c.composed.source_indices]}
+                                         for c in self.chains]}
 
     def table(self) -> str:
         header = ("TE", "op", "runs", "deps", "inputs (mapping)", "reuse", "FLOPs", "bytes", "FLOP/B", "bound")
@@ -138,8 +145,11 @@ class ProgramAnalysis:
             (f"{_si(s['flops'])}FLOP, {_si(s['bytes_unfused'])}B moved if every TE were its own kernel, "
              f"{s['compute_bound']} compute-bound / {s['memory_bound']} memory-bound TEs, "
              f"unfused roofline {_si(s['roofline_time_unfused_s'])}s"),
-            (f"{s['temporally_reused_tensors']} tensors reused across TEs or loop iterations; "
-             f"analysed in {s['analysis_seconds']:.2f} s"),
+            f"{s['temporally_reused_tensors']} tensors reused across TEs or loop iterations",
+            (f"{s['data_movement_chains']} data-movement chains ({s['data_movement_tes']} TEs) compose into direct "
+             f"reads; those of several TEs:"),
+            *[f"  {c}" for c in self.chains if len(c.names) > 1],
+            f"analysed in {s['analysis_seconds']:.2f} s",
         ])
 
 
@@ -148,12 +158,13 @@ def analyze(program, device: DeviceModel) -> ProgramAnalysis:
     start = time.perf_counter()
     deps = dependences(program)
     reuse = find_reuse(deps)
+    chains = find_chains(deps)
     stages = [
         StageAnalysis(d, stage_cost(d.stage, _bytes_read(d), device),
                       tuple(reuse.fan_out(d.name, e.name) for e in d.edges))
         for d in deps.stages
     ]
-    return ProgramAnalysis(program.graph.name, device, stages, deps, reuse, time.perf_counter() - start)
+    return ProgramAnalysis(program.graph.name, device, stages, deps, reuse, chains, time.perf_counter() - start)
 
 
 def _bytes_read(d: StageDependence) -> int:

@@ -243,7 +243,9 @@ def test_program_edges_name_tensors_and_roles():
     assert roles == {"layers/time/x_t": "slice", "layers/time/w_ih": "invariant"}
     assert projection.loops == (("layers", 2), ("time", 5)) and projection.trips == 10
     recurrent = next(s for s in deps.stages if s.name == "layers/time/dense_2.T_matmul_NT")
-    assert {e.name: e.role for e in recurrent.edges}["layers/time/h"] == "carry"
+    carry = next(e for e in recurrent.edges if e.name == "layers/time/h")
+    assert carry.role == "carry"
+    assert carry.producer.op.same_as(deps["layers/time/h_next"].stage.op)  # the previous step's output
     gates = next(s for s in deps.stages if s.name == "layers/time/gates")
     assert all(e.role == "intermediate" and e.producer is not None for e in gates.edges)
     assert gates.one_relies_on_one and not projection.one_relies_on_one

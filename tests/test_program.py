@@ -64,3 +64,15 @@ def test_paper_configs_compute_bound_only_where_intensity_is_high(name):
     ridge = get_device("h200").ridge_point("float32")
     for s in result.stages:
         assert (s.cost.bound == "compute") == (s.cost.flops > 0 and s.cost.intensity >= ridge)
+
+
+def test_bert_report_lists_the_attention_head_chains():
+    result = analyze(lower_graph(models.structure("bert", "tiny")), get_device("h200"))
+    summary = result.summary()
+    assert summary["data_movement_chains"] == 22 and summary["data_movement_tes"] == 31
+    text = str(result)
+    assert ("encoder/dense_1 -> encoder/reshape_2 -> encoder/transpose_3: [ax0, ax1, ax2] reads "
+            "encoder/dense_1.T_add[ax1, ax0 * 16 + ax2]") in text
+    merge_heads = next(c for c in result.to_json()["data_movement_chains"] if c["source"] == "encoder/batch_matmul_13")
+    assert merge_heads["tes"] == ["encoder/transpose_14", "encoder/reshape_15", "encoder/dense_16.T_reshape"]
+    assert merge_heads["source_indices"] == ["ax1 // 16", "ax0", "ax1 % 16"]

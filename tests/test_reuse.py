@@ -62,9 +62,9 @@ def test_lstm_weights_are_reused_by_every_timestep():
     assert "every one of 5 iterations" in str(reuse)
 
 
-def test_bert_hidden_state_feeds_q_k_v_and_the_residual():
+def test_bert_layer_output_feeds_the_next_layers_q_k_v_and_residual_and_the_pooler():
     reuse = find_reuse(dependences(lower_graph(models.build("bert", config="tiny"))))
-    hidden = next(t for t in reuse.temporal if t.tensor == "encoder/hidden_states")
+    hidden = next(t for t in reuse.temporal if t.tensor == "encoder/layer_output")
     assert sorted(hidden.readers) == ["encoder/add_17", "encoder/dense_1.T_reshape", "encoder/dense_4.T_reshape",
-                                      "encoder/dense_7.T_reshape"]
+                                      "encoder/dense_7.T_reshape", "slice_7"]
     assert hidden.bytes == 8 * 32 * 4
