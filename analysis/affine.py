@@ -29,11 +29,17 @@ import sympy
 import tvm
 from tvm import te, tirx
 
-from analysis.dependence import NotAffine, access_relations, classify, constant
+from analysis.dependence import (
+    IF_THEN_ELSE,
+    TENSOR_LOAD,
+    NotAffine,
+    access_relations,
+    classify,
+    constant,
+    is_call_to,
+)
 from souffle.errors import SouffleError
 
-_TENSOR_LOAD = "te.tensor_load"
-_IF_THEN_ELSE = "prim.if_then_else"
 _ANALYZER = tvm.sym.Analyzer()  # binds nothing: what it proves holds for any index values
 
 
@@ -354,14 +360,6 @@ _BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx
            tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
 
 
-def _is_load(e) -> bool:
-    return isinstance(e, tvm.ir.expr.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == _TENSOR_LOAD
-
-
-def _is_if_then_else(e) -> bool:
-    return isinstance(e, tvm.ir.expr.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == _IF_THEN_ELSE
-
-
 class _Rewriter:
     """Rebuilds a TE expression with variables replaced and each tensor load passed to ``on_load``.
 
@@ -387,7 +385,7 @@ class _Rewriter:
             return tirx.Select(self(e.condition), self(e.true_value), self(e.false_value))
         if isinstance(e, tirx.Cast):
             return tirx.Cast(e.ty, self(e.value))
-        if _is_load(e):
+        if is_call_to(e, TENSOR_LOAD):
             return self.on_load(e.args[0], [self(index) for index in e.args[1:]])
         if isinstance(e, tvm.ir.expr.Call):
             return tvm.ir.expr.Call(e.op, [self(a) for a in e.args], attrs=e.attrs, ty_args=e.ty_args, ret_ty=e.ty)
@@ -408,12 +406,12 @@ def _value_computation(stage: te.Tensor) -> str | None:
     read: set = set()
 
     def why(e) -> str | None:
-        if _is_load(e):
+        if is_call_to(e, TENSOR_LOAD):
             read.add(e.args[0].op)
             return None if len(read) == 1 else "it reads several tensors"
         if isinstance(e, tirx.Select):
             return why(e.true_value) or why(e.false_value)
-        if _is_if_then_else(e):
+        if is_call_to(e, IF_THEN_ELSE):
             return why(e.args[1]) or why(e.args[2])
         if isinstance(e, tirx.Reduce):
             return f"it reduces over {', '.join(ax.var.name for ax in e.axis)}"

@@ -30,13 +30,12 @@ from dataclasses import dataclass
 import tvm
 from tvm import te, tirx
 
+from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD
 from analysis.device import DeviceModel
 
 _ARITHMETIC = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max)
 _PREDICATES = (tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or, tirx.Not)
 _LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, tvm.ir.StringImm, tirx.Ramp)
-_TENSOR_LOAD = "te.tensor_load"
-_IF_THEN_ELSE = "prim.if_then_else"
 _LIKELY = "prim.likely"
 
 
@@ -144,9 +143,9 @@ def _flops_per_point(expr) -> int:
         return _is_float(expr) + _flops_per_point(expr.a) + _flops_per_point(expr.b)
     if isinstance(expr, tvm.ir.Call):
         name = expr.op.name if isinstance(expr.op, tvm.ir.Op) else None
-        if name in (_TENSOR_LOAD, _LIKELY):
+        if name in (TENSOR_LOAD, _LIKELY):
             return 0
-        if name == _IF_THEN_ELSE:
+        if name == IF_THEN_ELSE:
             return _flops_per_point(expr.args[1]) + _flops_per_point(expr.args[2])
         own = 1 if name is not None and _is_float(expr) else 0
         return own + sum(_flops_per_point(arg) for arg in expr.args)

@@ -41,8 +41,8 @@ REORGANIZE = "reorganize"
 SHUFFLE = "shuffle"
 MAPPING_TYPES = (ONE_TO_ONE, SHUFFLE, REORGANIZE, ONE_TO_MANY, MANY_TO_MANY)
 
-_TENSOR_LOAD = "te.tensor_load"
-_IF_THEN_ELSE = "prim.if_then_else"
+TENSOR_LOAD = "te.tensor_load"  # the op of a tensor read in a TE body: args = (tensor, *indices)
+IF_THEN_ELSE = "prim.if_then_else"
 
 
 class NotAffine(Exception):
@@ -109,7 +109,7 @@ class _IslWriter:
                 v = min(a.value, b.value) if fn == "min" else max(a.value, b.value)
                 return _Aff(str(v), v)
             return _Aff(f"{fn}({a.text}, {b.text})")
-        if _is_tensor_load(e):
+        if is_call_to(e, TENSOR_LOAD):
             raise NotAffine(f"it reads a loaded value ({e.args[0].op.name}): a data-dependent gather")
         raise NotAffine(f"{type(e).__name__} {e} is not quasi-affine")
 
@@ -129,11 +129,8 @@ class _IslWriter:
         raise NotAffine(f"condition {e} is not a comparison of quasi-affine indices")
 
 
-def _is_tensor_load(e) -> bool:
-    return isinstance(e, tvm.ir.expr.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == _TENSOR_LOAD
-
-
-def _is_call_to(e, name: str) -> bool:
+def is_call_to(e, name: str) -> bool:
+    """Whether ``e`` calls the TVM op ``name`` (TE bodies read tensors through ``te.tensor_load`` calls)."""
     return isinstance(e, tvm.ir.expr.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == name
 
 
@@ -152,12 +149,12 @@ def _loads(body) -> list[_Load]:
     def walk(e, conds: tuple):
         if isinstance(e, (int, float, str)) or e is None:
             return
-        if _is_tensor_load(e):
+        if is_call_to(e, TENSOR_LOAD):
             found.append(_Load(e.args[0], tuple(e.args[1:]), conds))
             for index in e.args[1:]:
                 walk(index, conds)
             return
-        if _is_call_to(e, _IF_THEN_ELSE) or isinstance(e, tirx.Select):
+        if is_call_to(e, IF_THEN_ELSE) or isinstance(e, tirx.Select):
             cond, then, other = (e.args if not isinstance(e, tirx.Select) else (e.condition, e.true_value, e.false_value))
             walk(cond, conds)
             walk(then, conds + (cond,))

@@ -16,12 +16,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
+import common
 
-from analysis import analyze  # noqa: E402
-from analysis.device import get_device  # noqa: E402
-from souffle import models  # noqa: E402
-from souffle.lower import lower_graph  # noqa: E402
+from analysis import analyze
+from analysis.device import get_device
+from souffle import models
+from souffle.lower import lower_graph
 
 
 def measure(name: str, config: str, device: str, repeat: int, warmup: int) -> dict:
@@ -38,8 +38,8 @@ def measure(name: str, config: str, device: str, repeat: int, warmup: int) -> di
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | config | TEs (executed) | 1:1 / 1:many TEs | edges 1-1 / shuf / reorg / 1-n / n-n | inexact "
-             "| GFLOP | unfused GB | lower ms | analyze ms |",
+    lines = [("| model | config | TEs (executed) | 1:1 / 1:many TEs | edges 1-1 / shuf / reorg / 1-n / n-n | inexact "
+             "| GFLOP | unfused GB | lower ms | analyze ms |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["summary"]
@@ -64,15 +64,8 @@ def main() -> None:
     for name in args.models:
         rows.append(measure(name, args.config, args.device, args.repeat, args.warmup))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    payload = {"command": common.command(), "machine": common.machine(),
-               "versions": common.versions("apache-tvm", "apache-tvm-ffi", "islpy", "sympy", "numpy"),
-               "timing": f"medians of {args.repeat} runs after {args.warmup} warm-up, wall clock, one process",
-               "results": rows}
-    md = (f"Command: `{payload['command']}`\n\nMachine: {payload['machine']['cpu']}, {payload['machine']['cores']} cores. "
-          f"Versions: {payload['versions']}\n\n" + table(rows))
-    json_path, md_path = common.write(args.output, payload, md)
-    print(md)
-    print(f"wrote {json_path} and {md_path}")
+    common.publish(args.output, rows, table(rows), ("apache-tvm", "apache-tvm-ffi", "islpy", "sympy", "numpy"),
+                   f"medians of {args.repeat} runs after {args.warmup} warm-up, wall clock, one process")
 
 
 if __name__ == "__main__":

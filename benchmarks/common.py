@@ -69,3 +69,14 @@ def write(name: str, payload: dict, table: str) -> tuple[Path, Path]:
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(table + "\n")
     return json_path, md_path
+
+
+def publish(name: str, rows: list[dict], table: str, packages: tuple[str, ...], timing: str) -> None:
+    """Write the rows with the command, machine and versions as JSON, and the table as markdown."""
+    payload = {"command": command(), "machine": machine(), "versions": versions(*packages), "timing": timing,
+               "results": rows}
+    md = (f"Command: `{payload['command']}`\n\nMachine: {payload['machine']['cpu']}, {payload['machine']['cores']} "
+          f"cores. Versions: {payload['versions']}\n\n" + table)
+    json_path, md_path = write(name, payload, md)
+    print(md)
+    print(f"wrote {json_path} and {md_path}")

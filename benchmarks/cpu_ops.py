@@ -220,15 +220,9 @@ def main() -> None:
     for case in selected:
         rows.append(measure(case, args.rounds, args.seed))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    payload = {"command": common.command(), "machine": common.machine(),
-               "versions": common.versions("apache-tvm", "apache-tvm-ffi", "torch", "numpy"),
-               "timing": f"minimum over {args.rounds} alternating rounds of about {ROUND_S * 1e3:.0f} ms each; "
-                         f"souffle by TVM's time_evaluator, torch by wall clock with torch.set_num_threads({cores})",
-               "results": rows}
-    md = (f"Command: `{payload['command']}`\n\nMachine: {payload['machine']['cpu']}, {cores} cores. "
-          f"Versions: {payload['versions']}\n\n" + table(rows))
-    json_path, md_path = common.write(args.output, payload, md)
-    print(f"wrote {json_path} and {md_path}")
+    common.publish(args.output, rows, table(rows), ("apache-tvm", "apache-tvm-ffi", "torch", "numpy"),
+                   f"minimum over {args.rounds} alternating rounds of about {ROUND_S * 1e3:.0f} ms each; "
+                   f"souffle by TVM's time_evaluator, torch by wall clock with torch.set_num_threads({cores})")
 
 
 if __name__ == "__main__":

@@ -68,17 +68,10 @@ def main() -> None:
     for name in args.models:
         rows.append(measure(name, args.config, args.repeat, args.warmup))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    payload = {"command": common.command(), "machine": common.machine(),
-               "versions": common.versions("apache-tvm", "apache-tvm-ffi", "torch", "numpy"),
-               "timing": f"medians of {args.repeat} runs after warm-up; souffle 'kernel' by TVM's time_evaluator "
-                         "(the one compiled function), souffle 'numpy in/out' and torch by wall clock around the whole "
-                         "call from numpy inputs to numpy outputs; the ratio uses the numpy in/out time",
-               "results": rows}
-    md = (f"Command: `{payload['command']}`\n\nMachine: {payload['machine']['cpu']}, {payload['machine']['cores']} cores. "
-          f"Versions: {payload['versions']}\n\n" + table(rows))
-    json_path, md_path = common.write(args.output, payload, md)
-    print(md)
-    print(f"wrote {json_path} and {md_path}")
+    common.publish(args.output, rows, table(rows), ("apache-tvm", "apache-tvm-ffi", "torch", "numpy"),
+                   f"medians of {args.repeat} runs after warm-up; souffle 'kernel' by TVM's time_evaluator "
+                   "(the one compiled function), souffle 'numpy in/out' and torch by wall clock around the whole "
+                   "call from numpy inputs to numpy outputs; the ratio uses the numpy in/out time")
 
 
 if __name__ == "__main__":
