@@ -25,8 +25,10 @@ from analysis.dependence import (
     dependences,
     iteration_domain,
 )
-from analysis.device import DeviceModel
+from analysis.device import DeviceModel, get_device
 from analysis.reuse import Reuse, find_reuse
+from souffle.graph import Graph
+from souffle.lower import TEProgram, lower_graph
 
 
 @dataclass(frozen=True)
@@ -153,9 +155,13 @@ class ProgramAnalysis:
         ])
 
 
-def analyze(program, device: DeviceModel) -> ProgramAnalysis:
-    """Dependences, reuse and cost of every TE of a lowered program."""
+def analyze(program: TEProgram | Graph, device: DeviceModel | str = "h200") -> ProgramAnalysis:
+    """Dependences, reuse, chains and cost of every TE of a model (a Graph is lowered first)."""
     start = time.perf_counter()
+    if isinstance(program, Graph):
+        program = lower_graph(program)
+    if isinstance(device, str):
+        device = get_device(device)
     deps = dependences(program)
     reuse = find_reuse(deps)
     chains = find_chains(deps)

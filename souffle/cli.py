@@ -47,10 +47,9 @@ def _analyze(args) -> int:
     from analysis import analyze
     from analysis.device import get_device
     from souffle import models
-    from souffle.lower import lower_graph
 
-    device = get_device(args.device)
-    result = analyze(lower_graph(models.structure(args.model, config=args.config)), device)
+    device = get_device(args.device)  # an unknown device is refused before the model is built
+    result = analyze(models.structure(args.model, config=args.config), device)
     print(json.dumps(result.to_json(), indent=2) if args.json else result)
     return 0
 

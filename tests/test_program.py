@@ -76,3 +76,9 @@ def test_bert_report_lists_the_attention_head_chains():
     merge_heads = next(c for c in result.to_json()["data_movement_chains"] if c["source"] == "encoder/batch_matmul_13")
     assert merge_heads["tes"] == ["encoder/transpose_14", "encoder/reshape_15", "encoder/dense_16.T_reshape"]
     assert merge_heads["source_indices"] == ["ax1 // 16", "ax0", "ax1 % 16"]
+
+
+def test_a_graph_and_a_device_name_are_accepted():
+    result = analyze(models.structure("mmoe", "tiny"), "a100")
+    assert result.device is get_device("a100") and result.summary()["tes"] == 58
+    assert analyze(models.structure("mmoe", "tiny")).device.name == "h200"
