@@ -301,6 +301,53 @@ def access_relations(stage: te.Tensor) -> dict[te.Operation, AccessRelation]:
     return result
 
 
+@dataclass(frozen=True)
+class ElementDependence:
+    """Which elements of ``source`` each element of ``output`` depends on, through any TEs between."""
+
+    relation: isl.Map  # { output[...] -> source[...] }
+    exact: bool  # False when an access on some path was over-approximated
+
+
+def element_dependences(output: te.Tensor, source: te.Tensor) -> ElementDependence:
+    """The transitive element-level dependence of ``output`` on ``source``.
+
+    The spatial access relations of every path from ``output`` down to ``source`` are
+    composed (reductions contribute every element they fold) and united, so this is the
+    set of source elements whose value can change each output element (empty when no path
+    leads from ``output`` to ``source``).
+    """
+    memo: dict = {}
+
+    def down(t: te.Tensor) -> tuple[isl.Map | None, bool]:
+        if t.op in memo:
+            return memo[t.op]
+        union, exact = None, True
+        for op, access in access_relations(t).items():
+            step = access.spatial.set_tuple_name(isl.dim_type.in_, "out").set_tuple_name(isl.dim_type.out, "mid")
+            if op.same_as(source.op):
+                reached, reached_exact = step.set_tuple_name(isl.dim_type.out, "src"), True
+            elif isinstance(op, te.ComputeOp):
+                below, reached_exact = down(access.tensor)
+                if below is None:
+                    continue
+                reached = step.apply_range(below.set_tuple_name(isl.dim_type.in_, "mid"))
+            else:
+                continue
+            union = reached if union is None else union.union(reached)
+            exact = exact and reached_exact and access.exact
+        memo[t.op] = (None if union is None else union.coalesce(), exact)
+        return memo[t.op]
+
+    relation, exact = down(output)
+    if relation is None:  # no path: the empty relation between the two index spaces
+        outs = ", ".join(f"i{d}" for d in range(len(output.shape)))
+        ins = ", ".join(f"o{d}" for d in range(len(source.shape)))
+        relation = isl.Map(f"{{ out[{outs}] -> src[{ins}] : false }}")
+    return ElementDependence(relation.set_tuple_name(isl.dim_type.in_, _isl_name(output.op.name))
+                             .set_tuple_name(isl.dim_type.out, _isl_name(source.op.name)), exact)
+
+
 # -- counting ---------------------------------------------------------------------------------
 def count_points(s: isl.Set) -> int:
     """The number of integer points of a bounded set.

@@ -1,6 +1,7 @@
 """Element-level dependences: access relations and the classification of every op's TEs."""
 
 import islpy as isl
+import numpy as np
 import pytest
 import tvm
 from tvm import te, topi
@@ -11,10 +12,12 @@ from analysis.dependence import (
     ONE_TO_ONE,
     REORGANIZE,
     SHUFFLE,
+    NotAffine,
     access_relations,
     classify,
     count_points,
     dependences,
+    element_dependences,
     iteration_domain,
 )
 from souffle import models
@@ -277,3 +280,79 @@ def test_window_bounds_isl_cannot_hold_are_widened_with_a_reason():
     access = access_relations(pool_sum)[x.op]
     assert not access.exact and "the range of axis rv0 is widened" in access.reasons[0]
     assert classify(access)[:2] == (MANY_TO_MANY, False)
+
+
+def _pairs(relation: isl.Map) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every (output index, input index) pair of a bounded relation."""
+    n_out = relation.dim(isl.dim_type.in_)
+    pairs = set()
+
+    def add(point):
+        coords = tuple(point.get_coordinate_val(isl.dim_type.set, k).to_python()
+                       for k in range(relation.dim(isl.dim_type.in_) + relation.dim(isl.dim_type.out)))
+        pairs.add((coords[:n_out], coords[n_out:]))
+
+    relation.wrap().foreach_point(add)
+    return pairs
+
+
+def _perturbation_pairs(kind, shapes, attrs, rng) -> dict:
+    """Per (output, input): the pairs (output element, input element) such that changing that input
+    element changes that output element, found by running the op once per input element."""
+    inputs = [te.placeholder(s, "int64" if (kind, i) == ("embedding", 1) else "float32", name=f"in{i}")
+              for i, s in enumerate(shapes)]
+    outputs = lower_op(kind, inputs, attrs)
+    executable = tvm.compile(tvm.IRModule({"main": te.create_prim_func(inputs + outputs)}),
+                             target={"kind": "llvm", "opt-level": 0})
+    shapes = [tuple(int(d) for d in t.shape) for t in inputs]
+    # positive values keep batch_norm's variance valid; ids index the 10-row embedding table
+    arrays = [rng.integers(0, 10, s) if str(t.dtype) == "int64" else rng.uniform(0.5, 1.5, s).astype("float32")
+              for t, s in zip(inputs, shapes)]
+
+    def run(values):
+        args = [tvm.runtime.tensor(np.asarray(v), tvm.cpu()) for v in values]
+        args += [tvm.runtime.tensor(np.empty([int(d) for d in o.shape], str(o.dtype)), tvm.cpu()) for o in outputs]
+        executable["main"](*args)
+        return [a.numpy() for a in args[len(values):]]
+
+    baseline = run(arrays)
+    found = {(o, i): set() for o in range(len(outputs)) for i in range(len(inputs))}
+    for i, array in enumerate(arrays):
+        for index in np.ndindex(array.shape):
+            changed = [a.copy() for a in arrays]
+            changed[i][index] = (array[index] + 1) % 10 if array.dtype == np.int64 else array[index] + 1000.0
+            for o, (before, after) in enumerate(zip(baseline, run(changed))):
+                found[(o, i)] |= {(tuple(int(c) for c in out), index) for out in zip(*np.nonzero(before != after))}
+    return inputs, outputs, found
+
+
+# A padded convolution's border outputs load weight taps that multiply padding zeros: the
+# access is real, but those taps cannot change the value, so running the op sees fewer pairs.
+TIMES_PADDING_ZERO = {("conv2d", 1), ("conv2d_packed", 1)}
+
+
+@pytest.mark.parametrize("kind", sorted(set(OPS) - {"full"}))
+def test_element_dependences_match_what_running_the_op_shows(kind, rng):
+    """Perturb each input element and see which outputs change: the isl relation, composed across the
+    op's TEs, must be exactly that set (a superset where an access was over-approximated)."""
+    shapes, attrs, _ = OPS[kind]
+    inputs, outputs, found = _perturbation_pairs(kind, shapes, attrs, rng)
+    for (o, i), observed in found.items():
+        dependence = element_dependences(outputs[o], inputs[i])
+        predicted = _pairs(dependence.relation)
+        assert observed  # every input of every op is read
+        assert observed <= predicted
+        if dependence.exact and (kind, i) not in TIMES_PADDING_ZERO:
+            assert observed == predicted
+
+
+def test_element_dependences_compose_through_every_path():
+    x = te.placeholder((4, 8), "float32", name="x")
+    y = lower_op("softmax", [x], {})[0]  # max -> exp -> sum -> divide: every path reaches the whole row
+    dependence = element_dependences(y, x)
+    assert dependence.exact and dependence.relation.is_equal(
+        isl.Map("{ T_softmax_norm[i0, i1] -> x[i0, o1] : 0 <= i0 < 4 and 0 <= i1 < 8 and 0 <= o1 < 8 }"))
+    other = te.placeholder((8,), "float32", name="other")
+    unrelated = element_dependences(y, other)
+    assert unrelated.exact and unrelated.relation.is_empty()
+    assert unrelated.relation.get_tuple_name(isl.dim_type.out) == "other"
