@@ -12,7 +12,6 @@ from analysis.dependence import (
     ONE_TO_ONE,
     REORGANIZE,
     SHUFFLE,
-    NotAffine,
     access_relations,
     classify,
     count_points,
