@@ -7,6 +7,7 @@ reuse, FLOPs, bytes and roofline bound, and a summary of the whole model.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -77,7 +78,15 @@ class ProgramAnalysis:
     dependences: Dependences
     reuse: Reuse
     chains: list[Chain]  # data-movement chains and the one map each composes to
+    compulsory_bytes: int  # weights, inputs and outputs: what any implementation moves once
+    dtype: str  # of the model's outputs, for the peak the lower bound uses
     seconds: float  # how long the analysis took
+
+    @property
+    def lower_bound_s(self) -> float:
+        """max(all FLOPs at peak, compulsory bytes at full bandwidth): no kernel can beat it."""
+        flops = sum(s.cost.flops * s.trips for s in self.stages)
+        return max(flops / self.device.peak(self.dtype), self.compulsory_bytes / self.device.mem_bandwidth)
 
     def summary(self) -> dict:
         executed = sum(s.trips for s in self.stages)
@@ -99,6 +108,8 @@ class ProgramAnalysis:
             "compute_bound": sum(s.cost.bound == "compute" for s in self.stages),
             "memory_bound": sum(s.cost.bound == "memory" for s in self.stages),
             "roofline_time_unfused_s": sum(s.cost.time_s * s.trips for s in self.stages),
+            "compulsory_bytes": self.compulsory_bytes,
+            "lower_bound_s": self.lower_bound_s,
             "temporally_reused_tensors": len(self.reuse.temporal),
             "data_movement_chains": len(self.chains),
             "data_movement_tes": len({n for c in self.chains for n in c.names}),
@@ -147,6 +158,8 @@ class ProgramAnalysis:
             (f"{_si(s['flops'])}FLOP, {_si(s['bytes_unfused'])}B moved if every TE were its own kernel, "
              f"{s['compute_bound']} compute-bound / {s['memory_bound']} memory-bound TEs, "
              f"unfused roofline {_si(s['roofline_time_unfused_s'])}s"),
+            (f"lower bound {_si(s['lower_bound_s'])}s: all FLOPs at peak, or {_si(s['compulsory_bytes'])}B of "
+             f"weights, inputs and outputs moved once at full bandwidth"),
             f"{s['temporally_reused_tensors']} tensors reused across TEs or loop iterations",
             (f"{s['data_movement_chains']} data-movement chains ({s['data_movement_tes']} TEs) compose into direct "
              f"reads; those of several TEs:"),
@@ -170,7 +183,11 @@ def analyze(program: TEProgram | Graph, device: DeviceModel | str = "h200") -> P
                       tuple(reuse.fan_out(d.name, e.name) for e in d.edges))
         for d in deps.stages
     ]
-    return ProgramAnalysis(program.graph.name, device, stages, deps, reuse, chains, time.perf_counter() - start)
+    graph = program.graph
+    compulsory = [*graph.params.values(), *graph.inputs, *(graph.tensors[n] for n in graph.outputs)]
+    return ProgramAnalysis(graph.name, device, stages, deps, reuse, chains,
+                           sum(math.prod(t.shape) * dtype_bytes(t.dtype) for t in compulsory),
+                           graph.tensors[graph.outputs[0]].dtype, time.perf_counter() - start)
 
 
 def _bytes_read(d: StageDependence) -> int:

@@ -82,3 +82,13 @@ def test_a_graph_and_a_device_name_are_accepted():
     result = analyze(models.structure("mmoe", "tiny"), "a100")
     assert result.device is get_device("a100") and result.summary()["tes"] == 58
     assert analyze(models.structure("mmoe", "tiny")).device.name == "h200"
+
+
+def test_lower_bound_of_the_paper_lstm(lstm_paper):
+    weights = 10 * (2 * 1024 * 256 + 2 * 1024) * 4  # per layer: W_ih, W_hh, b_ih, b_hh
+    x, y, h_n, c_n = 100 * 256 * 4, 100 * 256 * 4, 10 * 256 * 4, 10 * 256 * 4
+    assert lstm_paper.compulsory_bytes == weights + x + y + h_n + c_n
+    h200 = get_device("h200")
+    flops = lstm_paper.summary()["flops"]
+    assert lstm_paper.lower_bound_s == max(flops / h200.peak("float32"), lstm_paper.compulsory_bytes / h200.mem_bandwidth)
+    assert "lower bound 15.7 us" in str(lstm_paper)
