@@ -520,21 +520,26 @@ def _collect(program, loops: tuple, prefix: str, out: list[StageDependence], sca
     computed = {n: t for r in program.regions if not isinstance(r, LoopRegion) for n, t in r.tensors.items()
                 if isinstance(t.op, te.ComputeOp)}
     carried_from = {c[0]: computed.get(c[1]) for c in (scan.carry if scan is not None else ())}
+    names: dict = {}  # TE -> its name in this (loop body) program, unique
     for region in program.regions:
         if isinstance(region, LoopRegion):
             _collect(region.body, loops + ((region.name, region.scan.length),), f"{prefix}{region.name}/", out,
                      region.scan)
             continue
-        names = {t.op: n for n, t in region.tensors.items()}
+        graph_names = {t.op: n for n, t in region.tensors.items()}
+
+        def name_of(tensor: te.Tensor) -> str:
+            return names.setdefault(tensor.op, _display_name(tensor, region.op_of.get(tensor.op), graph_names,
+                                                            set(names.values())))
+
         for stage in region.stages():
-            op = region.op_of.get(stage.op)
-            entry = StageDependence(stage, prefix + _display_name(stage, op, names), op, loops)
+            entry = StageDependence(stage, prefix + name_of(stage), region.op_of.get(stage.op), loops)
             for tensor_op, access in access_relations(stage).items():
                 mapping, one, fan_in, reason = classify(access)
                 producer = program.links.get(tensor_op)
                 if producer is None and isinstance(tensor_op, te.ComputeOp):
                     producer = access.tensor
-                name = _display_name(access.tensor, region.op_of.get(tensor_op), names)
+                name = name_of(access.tensor)
                 role = "intermediate" if producer is not None else roles.get(name, "input")
                 if role == "carry":
                     producer = carried_from[name]  # written by the previous iteration
@@ -554,7 +559,13 @@ def _placeholder_roles(graph, scan) -> dict[str, str]:
     return roles
 
 
-def _display_name(tensor: te.Tensor, op: Op | None, names: dict) -> str:
-    if tensor.op in names:
-        return names[tensor.op]
-    return f"{op.outputs[0]}.{tensor.op.name}" if op is not None else tensor.op.name
+def _display_name(tensor: te.Tensor, op: Op | None, graph_names: dict, taken: set) -> str:
+    """The graph tensor's name, or "op.te" for a TE inside an op's lowering (numbered if repeated)."""
+    if tensor.op in graph_names:
+        return graph_names[tensor.op]
+    base = f"{op.outputs[0]}.{tensor.op.name}" if op is not None else tensor.op.name
+    name, k = base, 1
+    while name in taken:
+        k += 1
+        name = f"{base}:{k}"
+    return name

@@ -38,6 +38,8 @@ class TemporalReuse:
 
 @dataclass(frozen=True)
 class Reuse:
+    """Every temporally reused tensor, and the spatial reuse of every (TE, input) edge."""
+
     temporal: list[TemporalReuse]
     spatial: dict[tuple[str, str], int]  # (TE name, input name) -> output elements reading one input element
 

@@ -355,3 +355,19 @@ def test_element_dependences_compose_through_every_path():
     unrelated = element_dependences(y, other)
     assert unrelated.exact and unrelated.relation.is_empty()
     assert unrelated.relation.get_tuple_name(isl.dim_type.out) == "other"
+
+
+@pytest.mark.parametrize("name", models.MODELS)
+def test_te_names_are_unique_in_the_program(name):
+    deps = dependences(lower_graph(models.structure(name, "tiny")))
+    names = [s.name for s in deps.stages]
+    assert len(set(names)) == len(names)
+
+
+def test_repeated_te_names_of_one_op_are_numbered():
+    deps = dependences(lower_graph(models.structure("resnext", "tiny")))
+    reshapes = [s.name for s in deps.stages if s.name.startswith("batch_norm_2.T_reshape")]
+    assert reshapes == ["batch_norm_2.T_reshape", "batch_norm_2.T_reshape:2", "batch_norm_2.T_reshape:3",
+                        "batch_norm_2.T_reshape:4"]  # running mean, running var, weight, bias
+    subtract = deps["batch_norm_2.T_subtract"]
+    assert [e.name for e in subtract.edges] == ["conv2d_1", "batch_norm_2.T_reshape"]
