@@ -526,20 +526,14 @@ def _collect(program, loops: tuple, prefix: str, out: list[StageDependence], sca
             _collect(region.body, loops + ((region.name, region.scan.length),), f"{prefix}{region.name}/", out,
                      region.scan)
             continue
-        graph_names = {t.op: n for n, t in region.tensors.items()}
-
-        def name_of(tensor: te.Tensor) -> str:
-            return names.setdefault(tensor.op, _display_name(tensor, region.op_of.get(tensor.op), graph_names,
-                                                            set(names.values())))
-
         for stage in region.stages():
-            entry = StageDependence(stage, prefix + name_of(stage), region.op_of.get(stage.op), loops)
+            entry = StageDependence(stage, prefix + _name(stage, region, names), region.op_of.get(stage.op), loops)
             for tensor_op, access in access_relations(stage).items():
                 mapping, one, fan_in, reason = classify(access)
                 producer = program.links.get(tensor_op)
                 if producer is None and isinstance(tensor_op, te.ComputeOp):
                     producer = access.tensor
-                name = name_of(access.tensor)
+                name = _name(access.tensor, region, names)
                 role = "intermediate" if producer is not None else roles.get(name, "input")
                 if role == "carry":
                     producer = carried_from[name]  # written by the previous iteration
@@ -559,13 +553,17 @@ def _placeholder_roles(graph, scan) -> dict[str, str]:
     return roles
 
 
-def _display_name(tensor: te.Tensor, op: Op | None, graph_names: dict, taken: set) -> str:
-    """The graph tensor's name, or "op.te" for a TE inside an op's lowering (numbered if repeated)."""
-    if tensor.op in graph_names:
-        return graph_names[tensor.op]
-    base = f"{op.outputs[0]}.{tensor.op.name}" if op is not None else tensor.op.name
-    name, k = base, 1
-    while name in taken:
-        k += 1
-        name = f"{base}:{k}"
-    return name
+def _name(tensor: te.Tensor, region, names: dict) -> str:
+    """The tensor's name in its program: the graph tensor's, or "op.te" for a TE inside an op's
+    lowering, numbered ("op.te:2") when the op made several of that name. ``names`` remembers."""
+    if tensor.op not in names:
+        graph_name = next((n for n, t in region.tensors.items() if t.op.same_as(tensor.op)), None)
+        op = region.op_of.get(tensor.op)
+        base = graph_name or (f"{op.outputs[0]}.{tensor.op.name}" if op is not None else tensor.op.name)
+        taken = set(names.values())
+        name, k = base, 1
+        while graph_name is None and name in taken:
+            k += 1
+            name = f"{base}:{k}"
+        names[tensor.op] = name
+    return names[tensor.op]
