@@ -263,7 +263,7 @@ def model_graph(name, config, packed):
     """Paper graphs are built without weights (the structure is all that is counted), so instantly."""
     if packed:
         return pack_weights(models.build(name, config))
-    return models.get(name).build_graph(models.config(name, config), None)
+    return models.structure(name, config)
 
 
 MODEL_CASES = [(name, config, False) for name in models.MODELS for config in ("tiny", "paper")]
