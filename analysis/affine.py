@@ -20,7 +20,6 @@ defined (a padding halo) the target element has no source element, which
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from analysis.dependence import (
     classify,
     constant,
     is_call_to,
+    isl_name,
 )
 from souffle.errors import SouffleError
 
@@ -144,9 +144,9 @@ def compose(chain: Sequence[te.Tensor]) -> ComposedMap:
     for step in reversed(steps[:-1]):
         composed = composed.apply_range(step)
     source, target = chain[0], chain[-1]
-    target_name = _tuple_name(target.op.name)
+    target_name = isl_name(target.op.name)
     composed = (composed.set_tuple_name(isl.dim_type.in_, target_name)
-                .set_tuple_name(isl.dim_type.out, _tuple_name(source.op.name)).coalesce())
+                .set_tuple_name(isl.dim_type.out, isl_name(source.op.name)).coalesce())
     axes = tuple(tirx.Var(ax.var.name, str(ax.var.ty)) for ax in target.op.axis)
     analyzer = tvm.sym.Analyzer()
     for var, extent in zip(axes, target.shape):
@@ -164,11 +164,6 @@ def _check_chain(chain) -> list[te.Tensor]:
         if not isinstance(tensor, te.Tensor):
             raise NotComposable(f"chain element {k} is a {type(tensor).__name__}, not a te.Tensor")
     return chain
-
-
-def _tuple_name(name: str) -> str:
-    cleaned = re.sub(r"\W", "_", name)
-    return cleaned if cleaned[:1].isalpha() else "t_" + cleaned
 
 
 def _box(tensor: te.Tensor, name: str) -> isl.Set:

@@ -183,7 +183,8 @@ def _is_true(e) -> bool:
 
 
 # -- relations --------------------------------------------------------------------------------
-def _isl_name(name: str) -> str:
+def isl_name(name: str) -> str:
+    """A TE or tensor name as a valid isl tuple name."""
     cleaned = re.sub(r"\W", "_", name)
     return cleaned if cleaned[:1].isalpha() else "t_" + cleaned
 
@@ -234,7 +235,7 @@ def iteration_domain(stage: te.Tensor) -> isl.Set:
     """``{ S[i.., r..] }``: every point the TE computes, reductions included."""
     axes = stage_axes(stage)
     names = ", ".join(n for _, n in axes)
-    return isl.Set(f"{{ {_isl_name(stage.op.name)}[{names}] : {' and '.join(_bounds(axes)[0]) or 'true'} }}")
+    return isl.Set(f"{{ {isl_name(stage.op.name)}[{names}] : {' and '.join(_bounds(axes)[0]) or 'true'} }}")
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,7 @@ def access_relations(stage: te.Tensor) -> dict[te.Operation, AccessRelation]:
     writer = _IslWriter([(ax.var, name) for ax, name in axes])
     domain_names = ", ".join(n for _, n in axes)
     domain_bounds, widened = _bounds(axes)
-    sname = _isl_name(stage.op.name)
+    sname = isl_name(stage.op.name)
     by_tensor: dict[te.Operation, list] = {}
     for body in stage.op.body:
         for load in _loads(body):
@@ -273,7 +274,7 @@ def access_relations(stage: te.Tensor) -> dict[te.Operation, AccessRelation]:
     order = {t.op: k for k, t in enumerate(stage.op.input_tensors)}
     for op, loads in sorted(by_tensor.items(), key=lambda item: order.get(item[0], len(order))):
         tensor = loads[0].tensor
-        tname = _isl_name(tensor.op.name)
+        tname = isl_name(tensor.op.name)
         reasons: list[str] = list(widened)
         used: set[str] = set()
         union = None
@@ -344,8 +345,8 @@ def element_dependences(output: te.Tensor, source: te.Tensor) -> ElementDependen
         outs = ", ".join(f"i{d}" for d in range(len(output.shape)))
         ins = ", ".join(f"o{d}" for d in range(len(source.shape)))
         relation = isl.Map(f"{{ out[{outs}] -> src[{ins}] : false }}")
-    return ElementDependence(relation.set_tuple_name(isl.dim_type.in_, _isl_name(output.op.name))
-                             .set_tuple_name(isl.dim_type.out, _isl_name(source.op.name)), exact)
+    return ElementDependence(relation.set_tuple_name(isl.dim_type.in_, isl_name(output.op.name))
+                             .set_tuple_name(isl.dim_type.out, isl_name(source.op.name)), exact)
 
 
 # -- counting ---------------------------------------------------------------------------------
