@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import te, tirx
 
-from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD
+from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD, constant
 from analysis.device import DeviceModel
 
 _ARITHMETIC = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max)
@@ -45,10 +45,15 @@ def dtype_bytes(dtype) -> int:
     return (dt.bits * dt.lanes + 7) // 8
 
 
+def tensor_bytes(tensor: te.Tensor) -> int:
+    """Bytes of one whole tensor."""
+    return math.prod(constant(d) for d in tensor.shape) * dtype_bytes(tensor.dtype)
+
+
 def bytes_written(stage: te.Tensor) -> int:
     """Bytes of all of the TE's outputs, each written once."""
     op = stage.op
-    return sum(_elements(op.output(i)) * dtype_bytes(op.output(i).dtype) for i in range(op.num_outputs))
+    return sum(tensor_bytes(op.output(i)) for i in range(op.num_outputs))
 
 
 def count_flops(stage: te.Tensor) -> int:
@@ -121,10 +126,6 @@ def _domain_points(op: te.ComputeOp) -> int:
             at_point.bind(var, tirx.const(value, var.ty.dtype))
         varying_points += math.prod(int(at_point.simplify(e)) for e in varying)
     return others * fixed * varying_points
-
-
-def _elements(tensor: te.Tensor) -> int:
-    return math.prod(int(d) for d in tensor.shape)
 
 
 def _same_reduction(a: tirx.Reduce, b: tirx.Reduce) -> bool:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from analysis.characterize import dtype_bytes
+from analysis.characterize import tensor_bytes
 from analysis.dependence import (
+    AccessRelation,
     Dependences,
-    Edge,
-    constant,
     count_points,
     representative_point,
 )
@@ -56,9 +55,9 @@ class Reuse:
         return "\n".join(lines)
 
 
-def spatial_fan_out(edge: Edge) -> int:
+def spatial_fan_out(access: AccessRelation) -> int:
     """Output elements of the TE that read one representative element of the input."""
-    spatial = edge.access.spatial
+    spatial = access.spatial
     if spatial.is_empty():
         return 0
     point = representative_point(spatial.range())
@@ -73,11 +72,11 @@ def find_reuse(deps: Dependences) -> Reuse:
     produced_by = {s.stage.op: s.name for s in deps.stages}
     for stage in deps.stages:
         for edge in stage.edges:
-            spatial[(stage.name, edge.name)] = spatial_fan_out(edge)
+            spatial[(stage.name, edge.name)] = spatial_fan_out(edge.access)
             key = edge.producer.op if edge.producer is not None else edge.name
             readers.setdefault(key, []).append(stage.name)
             iterations = stage.loops[-1][1] if edge.role == "invariant" else 1
-            info.setdefault(key, (produced_by.get(key, edge.name), _tensor_bytes(edge), iterations))
+            info.setdefault(key, (produced_by.get(key, edge.name), tensor_bytes(edge.tensor), iterations))
     temporal = []
     for key, names in readers.items():
         name, size, iterations = info[key]
@@ -85,9 +84,3 @@ def find_reuse(deps: Dependences) -> Reuse:
             temporal.append(TemporalReuse(name, size, tuple(names), iterations))
     return Reuse(temporal, spatial)
 
-
-def _tensor_bytes(edge: Edge) -> int:
-    total = dtype_bytes(edge.tensor.dtype)
-    for extent in edge.tensor.shape:
-        total *= constant(extent)
-    return total

@@ -25,18 +25,19 @@ class InputError(SouffleError, ValueError):
     """Run-time inputs of the wrong number, shape or dtype."""
 
 
-class UnknownModelError(SouffleError, KeyError):
+class _UnknownNameError(SouffleError, KeyError):
+    """A name lookup that failed; its message prints as written, not quoted as KeyError's would be."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownModelError(_UnknownNameError):
     """A model name or configuration that is not registered."""
 
-    def __str__(self):
-        return str(self.args[0]) if self.args else ""
 
-
-class UnknownDeviceError(SouffleError, KeyError):
+class UnknownDeviceError(_UnknownNameError):
     """A device name with no model in ``analysis.device``."""
-
-    def __str__(self):
-        return str(self.args[0]) if self.args else ""
 
 
 class TargetError(SouffleError, RuntimeError):

@@ -9,15 +9,8 @@ from souffle import models
 from souffle.lower import lower_graph
 
 
-class _EdgeOf:
-    """The fields of an Edge that spatial_fan_out reads, for a TE built by hand."""
-
-    def __init__(self, stage, tensor):
-        self.access = access_relations(stage)[tensor.op]
-
-
 def fan_out(stage, tensor) -> int:
-    return spatial_fan_out(_EdgeOf(stage, tensor))
+    return spatial_fan_out(access_relations(stage)[tensor.op])
 
 
 def test_broadcast_bias_is_read_by_every_row():
