@@ -82,7 +82,7 @@ class ComposedMap:
 
     def indices(self, target_indices: Sequence) -> list[tirx.Expr]:
         """The source index for each source dimension, as expressions of ``target_indices``."""
-        rewrite = _Rewriter(self._bind(target_indices), f"indices of {self.source.op.name}")
+        rewrite = Rewriter(self._bind(target_indices), f"indices of {self.source.op.name}")
         return [_ANALYZER.simplify(rewrite(e)) for e in self.source_indices]
 
     def load(self, target_indices: Sequence) -> tirx.Expr:
@@ -91,7 +91,7 @@ class ComposedMap:
 
     def condition(self, target_indices: Sequence) -> tirx.Expr:
         """True where ``target_indices`` lie in ``domain``: elsewhere there is no source element."""
-        return _ANALYZER.simplify(_Rewriter(self._bind(target_indices), "condition")(self.defined))
+        return _ANALYZER.simplify(Rewriter(self._bind(target_indices), "condition")(self.defined))
 
     def _bind(self, target_indices: Sequence) -> dict:
         if len(target_indices) != len(self.axes):
@@ -355,7 +355,7 @@ _BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx
            tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
 
 
-class _Rewriter:
+class Rewriter:
     """Rebuilds a TE expression with variables replaced and each tensor load passed to ``on_load``.
 
     TVM has no Python expression mutator, so this covers the nodes TE bodies are made of.
@@ -463,7 +463,7 @@ def rebuild(consumer: te.Tensor, chain: Sequence[te.Tensor]) -> te.Tensor:
                 return composed.source(*[analyzer.simplify(i) for i in composed.indices(indices)])
             return tensor(*indices)
 
-        return _Rewriter(variables, f"rebuilding {op.name}", load, reduce_axes)(op.body[0])
+        return Rewriter(variables, f"rebuilding {op.name}", load, reduce_axes)(op.body[0])
 
     return te.compute(consumer.shape, body, name=op.name, tag=op.tag, attrs=op.attrs,
                       varargs_names=[ax.var.name for ax in op.axis])

@@ -1,5 +1,5 @@
 """The CPU backend: graph rewrites for the CPU, and the stitched whole-model PrimFunc
-compiled through LLVM."""
+compiled through LLVM; and the persistent kernel's staged program run on the CPU."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import tvm
 
 from codegen.cpu_math import register_llvm_math
 from codegen.cpu_transforms import hoist_scan_projections, pack_weights
+from codegen.staging import Loop, StagedProgram, slot_views, tiled_stage
 from codegen.stitch import StitchedProgram
 from souffle.graph import Graph
 
@@ -34,8 +35,44 @@ def prepare_graph(graph: Graph) -> Graph:
     return pack_weights(hoist_scan_projections(graph))
 
 
-def build(stitched: StitchedProgram, target: tvm.target.Target | str | None = None):
-    """Compile the stitched whole-model PrimFunc (for the host CPU unless ``target`` says otherwise)."""
+def build(func: tvm.tirx.PrimFunc, target: tvm.target.Target | str | None = None):
+    """Compile a whole-model PrimFunc (for the host CPU unless ``target`` says otherwise)."""
     use_every_core()
     register_llvm_math()
-    return tvm.compile(tvm.IRModule({"main": stitched.func}), target=target or host_target())
+    return tvm.compile(tvm.IRModule({"main": func}), target=target or host_target())
+
+
+def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
+    """The persistent kernel's staged program as one CPU function.
+
+    The same stages, tiles, arena layout and barrier positions as ``codegen.cuda``: between two
+    barriers, blocks ``0 .. grid-1`` run one after another, each walking its tiles
+    ``block, block + grid, ...`` of every stage in that stretch; a barrier ends the stretch.
+    A stage that reads another block's result without a barrier before it therefore reads
+    memory that block has not written yet, as on the GPU — the CPU tests catch a missing barrier.
+    """
+    from tvm import tirx
+
+    def phases(items) -> list[tirx.Stmt]:
+        stmts, run = [], []
+
+        def close():
+            if run:
+                block = tirx.Var("block", "int32")
+                body = tirx.SeqStmt([tiled_stage(stage, block, tirx.const(grid, "int32")) for stage in run])
+                stmts.append(tirx.For(block, 0, grid, tirx.ForKind.SERIAL, body))
+                run.clear()
+
+        for item in items:
+            if isinstance(item, Loop):
+                close()
+                stmts.append(tirx.For(item.var, 0, item.trips, tirx.ForKind.SERIAL, tirx.SeqStmt(phases(item.items))))
+                continue
+            if item.barrier is not None:
+                close()
+            run.append(item)
+        close()
+        return stmts
+
+    body = tirx.SeqStmt(slot_views(staged) + phases(staged.items))
+    return tirx.PrimFunc(staged.parameters(), body).with_attr("global_symbol", "main")

@@ -76,10 +76,18 @@ class StitchedProgram:
 
 
 class _Stitcher:
-    def __init__(self, graph: Graph, scheduler: Scheduler):
+    """Binds every tensor of the program to a place in memory and emits each region's code.
+
+    The placement (inputs, weights, outputs, arena slots, a scan's ping-pong carries, sliced
+    sequences and stacked per-iteration weights) is shared by the LLVM function built here and
+    the persistent kernel's staged program (``codegen.staging``), which overrides what a
+    region, a copy and a loop become.
+    """
+
+    def __init__(self, graph: Graph, scheduler: Scheduler | None, arena=None):
         self.graph = graph
         self.scheduler = scheduler
-        self.arena = Arena()
+        self.arena = arena if arena is not None else Arena()
         self.weight_values: dict[str, np.ndarray] = dict(graph.weights or {})
         self.weight_buffers: dict[str, tirx.Buffer] = {}
         self.region_count = 0
@@ -99,20 +107,23 @@ class _Stitcher:
             return refs[name]
         return self.weight_ref(name, self.graph.params[name])
 
-    def copy(self, src: BufferRef, dst: BufferRef) -> tirx.Stmt:
+    def copy(self, src: BufferRef, dst: BufferRef):
         i = tirx.Var("i", "int64")
         store = tirx.BufferStore(dst.base, src.element(i), [dst.offset + i])
         return tirx.For(i, 0, src.spec.size, tirx.ForKind.SERIAL, store)
 
-    def region(self, region: Region, refs: dict[str, BufferRef]) -> tirx.Stmt:
+    def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
         self.region_count += 1
         func = self.scheduler(region.prim_func())
         names = region.inputs + region.outputs
         decls = [tirx.DeclBuffer(param, data=self.resolve(refs, name).pointer()) for param, name in zip(func.params, names)]
-        return tirx.SeqStmt(decls + [func.body])
+        return [tirx.SeqStmt(decls + [func.body])]
 
-    def program(self, program: TEProgram, refs: dict[str, BufferRef]) -> list[tirx.Stmt]:
-        stmts: list[tirx.Stmt] = []
+    def make_loop(self, var: tirx.Var, trips: int, body: list, name: str):
+        return tirx.For(var, 0, trips, tirx.ForKind.SERIAL, tirx.SeqStmt(body))
+
+    def program(self, program: TEProgram, refs: dict[str, BufferRef]) -> list:
+        stmts: list = []
         for region in program.regions:
             if isinstance(region, LoopRegion):
                 stmts.extend(self.loop(region, program.graph, refs))
@@ -120,10 +131,10 @@ class _Stitcher:
             for name in region.outputs:
                 if name not in refs:
                     refs[name] = self.arena.alloc(program.graph.tensors[name])
-            stmts.append(self.region(region, refs))
+            stmts.extend(self.region(region, refs))
         return stmts
 
-    def loop(self, region: LoopRegion, graph: Graph, refs: dict[str, BufferRef]) -> list[tirx.Stmt]:
+    def loop(self, region: LoopRegion, graph: Graph, refs: dict[str, BufferRef]) -> list:
         """A scan as a serial loop; carried state ping-pongs between two arena slots."""
         self.loop_count += 1
         scan, body = region.scan, region.body.graph
@@ -181,7 +192,33 @@ class _Stitcher:
             else:
                 body_refs[body_out] = target
         body_stmts = self.program(region.body, body_refs) + after_body
-        return before + [tirx.For(i, 0, scan.length, tirx.ForKind.SERIAL, tirx.SeqStmt(body_stmts))] + after_loop
+        return before + [self.make_loop(i, scan.length, body_stmts, region.name)] + after_loop
+
+
+    def whole(self, program: TEProgram) -> tuple[list, list[tirx.Buffer], list[tirx.Buffer]]:
+        """The program's code, with its input and output buffers (in the graph's order)."""
+        graph = program.graph
+        refs: dict[str, BufferRef] = {}
+        input_buffers = [self.flat(spec, _c_name(spec.name)) for spec in graph.inputs]
+        for spec, buf in zip(graph.inputs, input_buffers):
+            refs[spec.name] = BufferRef(buf, 0, spec)
+        output_buffers = [self.flat(spec, f"out{k}_{_c_name(spec.name)}") for k, spec in enumerate(graph.output_specs())]
+        copies_at_end = []
+        for spec, buf in zip(graph.output_specs(), output_buffers):
+            ref = BufferRef(buf, 0, spec)
+            if spec.name in refs or spec.name in graph.params:  # an input, a weight, or listed twice
+                copies_at_end.append((spec.name, ref))
+            else:
+                refs[spec.name] = ref
+        stmts = self.program(program, refs)
+        stmts += [self.copy(self.resolve(refs, name), dst) for name, dst in copies_at_end]
+        return stmts, input_buffers, output_buffers
+
+    def weights(self) -> tuple[list[tuple[TensorSpec, np.ndarray]], list[tirx.Buffer]]:
+        """The weights the code reads (per-scan stacks included) and their buffers, in parameter order."""
+        values = [(TensorSpec(n, self.weight_values[n].shape, str(self.weight_values[n].dtype)), self.weight_values[n])
+                  for n in self.weight_buffers]
+        return values, list(self.weight_buffers.values())
 
 
 def _c_name(name: str) -> str:
@@ -190,31 +227,15 @@ def _c_name(name: str) -> str:
 
 def stitch(program: TEProgram, scheduler: Scheduler) -> StitchedProgram:
     """One PrimFunc for the whole program, each region scheduled by ``scheduler``."""
-    graph = program.graph
-    st = _Stitcher(graph, scheduler)
-    refs: dict[str, BufferRef] = {}
-    input_buffers = [st.flat(spec, _c_name(spec.name)) for spec in graph.inputs]
-    for spec, buf in zip(graph.inputs, input_buffers):
-        refs[spec.name] = BufferRef(buf, 0, spec)
-    output_specs = graph.output_specs()
-    output_buffers = [st.flat(spec, f"out{k}_{_c_name(spec.name)}") for k, spec in enumerate(output_specs)]
-    copies_at_end = []
-    for spec, buf in zip(output_specs, output_buffers):
-        ref = BufferRef(buf, 0, spec)
-        if spec.name in refs or spec.name in graph.params:  # an input, a weight, or listed twice
-            copies_at_end.append((spec.name, ref))
-        else:
-            refs[spec.name] = ref
-    stmts = st.program(program, refs)
-    stmts += [st.copy(st.resolve(refs, name), dst) for name, dst in copies_at_end]
-    weights = [(TensorSpec(n, st.weight_values[n].shape, str(st.weight_values[n].dtype)), st.weight_values[n])
-               for n in st.weight_buffers]
+    st = _Stitcher(program.graph, scheduler)
+    stmts, input_buffers, output_buffers = st.whole(program)
+    weights, weight_buffers = st.weights()
     arenas = list(st.arena.buffers.values())
-    params = input_buffers + list(st.weight_buffers.values()) + output_buffers + arenas
+    params = input_buffers + weight_buffers + output_buffers + arenas
     # No "tirx.noalias": with it TVM gives every view (a let-bound pointer into the arena or
     # an output) its own alias tag, and LLVM then moves a consumer's load above the store
     # that a producer made through another view of the same memory (stale results;
     # tests/test_stitch.py's poisoned-arena runs catch it).
     func = tirx.PrimFunc(params, tirx.SeqStmt(stmts)).with_attr("global_symbol", "main")
-    return StitchedProgram(func, list(graph.inputs), weights, output_specs,
+    return StitchedProgram(func, list(program.graph.inputs), weights, program.graph.output_specs(),
                            dict(st.arena.sizes), st.region_count, st.loop_count)

@@ -17,7 +17,8 @@ from souffle.errors import InputError, SouffleError, TargetError
 from souffle.graph import Graph
 from souffle.lower import TEProgram, lower_graph
 
-TARGETS = ("llvm", "cuda")
+TARGETS = ("llvm", "cuda", "llvm-persistent")
+PERSISTENT_CPU_GRID = 1056  # blocks the CPU run of the staged program uses at most (H200: 132 SMs x 8)
 
 
 @dataclass
@@ -60,23 +61,34 @@ class Report:
 
 
 class CompiledModel:
-    """A compiled model: numpy in, numpy out. One kernel (one function call) per run."""
+    """A compiled model: numpy in, numpy out. One kernel (one function call) per run.
 
-    def __init__(self, graph: Graph, target: str, program: TEProgram, stitched, executable, compile_seconds):
-        import tvm
+    ``plan`` is what was compiled: the stitched CPU function (``codegen.stitch``) or the
+    persistent kernel's staged program (``codegen.staging``); both take their buffers in the
+    order inputs, weights, outputs, scratch arenas.
+    """
 
+    def __init__(self, graph: Graph, target: str, program: TEProgram, plan, executable, compile_seconds):
         self.graph = graph
         self.target = target
         self.program = program
-        self.stitched = stitched
-        self._executable = executable
-        self._device = tvm.cpu() if target == "llvm" else tvm.cuda()
-        self._function = executable["main"]
-        self._weights = [tvm.runtime.tensor(value.reshape(-1), self._device) for _, value in stitched.weights]
-        self._arenas = [tvm.runtime.empty((max(size, 1),), dtype, self._device) for dtype, size in stitched.arena_sizes.items()]
+        self.plan = plan
         self._compile_seconds = compile_seconds
         self._last_run: float | None = None
         self.kernel_count = 1
+        self.grid: int | None = None
+        if executable is not None:
+            import tvm
+
+            self._executable = executable
+            self._device = tvm.cpu()
+            self._function = executable["main"]
+            self._weights = [tvm.runtime.tensor(value.reshape(-1), self._device) for _, value in plan.weights]
+            self._arenas = [tvm.runtime.empty((max(size, 1),), dtype, self._device) for dtype, size in plan.arena_sizes.items()]
+
+    @property
+    def stitched(self):
+        return self.plan
 
     @property
     def input_names(self) -> list[str]:
@@ -105,7 +117,7 @@ class CompiledModel:
         import tvm
 
         args = [tvm.runtime.tensor(a, self._device) for a in self._checked_inputs(inputs)]
-        outputs = [tvm.runtime.empty((s.size,), s.dtype, self._device) for s in self.stitched.outputs]
+        outputs = [tvm.runtime.empty((s.size,), s.dtype, self._device) for s in self.plan.outputs]
         return args + self._weights + outputs + self._arenas, outputs
 
     def run(self, inputs: dict) -> list[np.ndarray]:
@@ -114,7 +126,7 @@ class CompiledModel:
         start = time.perf_counter()
         self._function(*args)
         self._last_run = time.perf_counter() - start
-        return [o.numpy().reshape(s.shape) for o, s in zip(outputs, self.stitched.outputs)]
+        return [o.numpy().reshape(s.shape) for o, s in zip(outputs, self.plan.outputs)]
 
     def __call__(self, *args, **kwargs):
         """``m(x)`` or ``m(x=...)``; one output is returned as an array, several as a tuple."""
@@ -135,33 +147,62 @@ class CompiledModel:
         return list(evaluator(*args).results)
 
     def report(self) -> Report:
-        st = self.stitched
-        return Report(
+        plan = self.plan
+        staged = hasattr(plan, "stages")
+        report = Report(
             model=self.graph.name,
             target=self.target,
             ops=self.graph.op_count(),
             ops_executed=self.graph.op_count(executed=True),
             tes=self.program.te_count(),
-            regions=st.region_count,
-            loops=st.loop_count,
+            regions=sum(1 for r in self.program.regions if not hasattr(r, "scan")) if staged else plan.region_count,
+            loops=sum(1 for r in self.program.regions if hasattr(r, "scan")) if staged else plan.loop_count,
             kernels=self.kernel_count,
-            weight_bytes=sum(v.nbytes for _, v in st.weights),
-            arena_bytes=sum(size * np.dtype(d).itemsize for d, size in st.arena_sizes.items()),
+            weight_bytes=sum(v.nbytes for _, v in plan.weights),
+            arena_bytes=sum(size * np.dtype(d).itemsize for d, size in plan.arena_sizes.items()),
             compile_seconds=dict(self._compile_seconds),
             run_seconds=self._last_run,
         )
+        if staged:
+            report.extra["stages"] = f"{plan.stage_count()} ({plan.stage_count(executed=True)} executed), " \
+                                     f"{plan.threads} threads per block, up to {plan.max_tiles} tiles per stage"
+            report.extra["grid barriers"] = f"{plan.barrier_count()} ({plan.barrier_count(executed=True)} executed)"
+            if self.grid is not None:
+                report.extra["grid"] = f"{self.grid} blocks"
+        return report
 
 
-def compile(graph: Graph, target: str = "llvm") -> CompiledModel:  # noqa: A001 (the public name)
-    """Compile a whole model to one kernel for ``target`` ("llvm" now; "cuda" with the GPU backend)."""
+def compile(graph: Graph, target: str = "llvm", device: str | None = None,  # noqa: A001 (the public name)
+            threads: int | None = None) -> CompiledModel:
+    """Compile a whole model for ``target``.
+
+    - ``"llvm"``: one CPU function, with the CPU's own schedules (the fast CPU path).
+    - ``"cuda"``: ONE persistent, grid-synchronized CUDA kernel. Compiling needs nvcc, not a
+      GPU: ``.source``, ``.resources`` and ``.report()`` work anywhere; running needs a GPU.
+      ``device`` names the device model that sizes the grid when no GPU is present
+      (``"h200"`` by default, or ``"a100"``).
+    - ``"llvm-persistent"``: the CUDA kernel's staged program (its stages, tiles, barriers
+      and scratch layout) run on the CPU, block after block — to check that program anywhere.
+
+    ``threads`` is the thread-block size of the persistent kernel (256 by default).
+    """
     if not isinstance(graph, Graph):
         raise SouffleError(f"souffle.compile takes a souffle Graph, got {type(graph).__name__}")
     if target not in TARGETS:
         raise TargetError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
-    if target == "cuda":
-        raise TargetError("target 'cuda' is not implemented yet; use target='llvm'")
     if graph.weights is None:
         raise SouffleError(f"graph {graph.name!r} has no weights; build it with arrays or call .with_weights(...)")
+    if target == "llvm":
+        return _compile_llvm(graph)
+    from codegen.schedule import THREADS
+
+    threads = THREADS if threads is None else threads
+    if not (isinstance(threads, int) and 32 <= threads <= 1024 and threads % 32 == 0):
+        raise TargetError(f"threads must be a multiple of 32 from 32 to 1024, got {threads!r}")
+    return _compile_persistent(graph, target, device, threads)
+
+
+def _compile_llvm(graph: Graph) -> CompiledModel:
     from codegen import llvm
     from codegen.schedule_cpu import schedule_cpu
     from codegen.stitch import stitch
@@ -170,8 +211,32 @@ def compile(graph: Graph, target: str = "llvm") -> CompiledModel:  # noqa: A001 
     prepared = _timed(seconds, "prepare", llvm.prepare_graph, graph)
     program = _timed(seconds, "lower", lower_graph, prepared)
     stitched = _timed(seconds, "schedule+stitch", stitch, program, schedule_cpu)
-    executable = _timed(seconds, "build", llvm.build, stitched)
-    return CompiledModel(graph, target, program, stitched, executable, seconds)
+    executable = _timed(seconds, "build", llvm.build, stitched.func)
+    return CompiledModel(graph, "llvm", program, stitched, executable, seconds)
+
+
+def staged_program(program: TEProgram, gpu: bool, threads: int):
+    """The persistent kernel's program: stages tiled, then barriers placed, then the arena laid out."""
+    from codegen.staging import place_barriers, plan_arena, stage_program
+
+    return plan_arena(place_barriers(stage_program(program, gpu, threads)))
+
+
+def _compile_persistent(graph: Graph, target: str, device: str | None, threads: int) -> CompiledModel:
+    from codegen import llvm
+
+    seconds: dict[str, float] = {}
+    program = _timed(seconds, "lower", lower_graph, graph)
+    staged = _timed(seconds, "stage", staged_program, program, target == "cuda", threads)
+    if target == "cuda":
+        from souffle.cuda_model import build_cuda
+
+        return build_cuda(graph, program, staged, device, seconds)
+    grid = min(staged.max_tiles, PERSISTENT_CPU_GRID)
+    executable = _timed(seconds, "build", llvm.build, llvm.staged_function(staged, grid))
+    model = CompiledModel(graph, target, program, staged, executable, seconds)
+    model.grid = grid
+    return model
 
 
 def _timed(seconds: dict[str, float], stage: str, fn, *args):

@@ -1,0 +1,113 @@
+"""Per-stage schedules for the persistent kernel: one template per stage shape.
+
+Every stage of the persistent kernel runs on the same thread block (``THREADS`` threads along
+``threadIdx.x``) and covers its output in ``n_tiles`` tiles; a tile is a contiguous run of
+``per_tile`` elements of the row-major output, so which tile wrote an element is
+``floor(flat_index / per_tile)`` — the map ``codegen.staging`` uses to decide where a grid
+barrier is needed. The tile loop is the outermost loop of the stage (bound to ``blockIdx.x`` on
+the GPU); ``codegen.cuda`` and ``codegen.llvm`` replace it with the persistent
+``for tile in range(block, n_tiles, grid)`` loop.
+
+Templates, chosen from the block's iterators (never from an op's name):
+
+- ``elementwise``: no reduction. The output is walked in tiles of ``unroll x THREADS``
+  elements, consecutive threads on consecutive elements (coalesced).
+- ``block_reduce``: few outputs, long reductions (softmax and norm statistics, a GEMV):
+  one output per tile, the reduction split across the block's threads and combined by TVM's
+  cross-thread all-reduce (warp shuffles, a few words of shared memory).
+- ``thread_reduce``: enough outputs to give every thread of the grid its own (GEMMs,
+  convolutions): one output per thread, ``THREADS`` per tile, the reduction serial.
+
+The same split is made for the CPU (``gpu=False``) without binding threads, so the CPU runs
+exactly the tiles the GPU runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import reduce as _fold
+
+from tvm import s_tir, tirx
+
+THREADS = 256  # one thread-block shape for every stage of a kernel
+BLOCK_REDUCE_MIN_EXTENT = 64  # shorter reductions leave most of a block's threads idle
+GRID_WAVE = 132 * 2  # tiles that keep a full GPU busy (H200: 132 SMs, two blocks each)
+
+
+@dataclass(frozen=True)
+class StageSchedule:
+    """How one stage is tiled: the facts the kernel builder and the barrier analysis need."""
+
+    template: str
+    n_tiles: int
+    per_tile: int  # output elements per tile, contiguous in the row-major output
+    threads: int
+    outputs: int  # output elements
+
+    def __str__(self):
+        return f"{self.template} {self.n_tiles} tiles x {self.per_tile} elements, {self.threads} threads"
+
+
+class ScheduleError(ValueError):
+    """A stage no template can schedule (the message says which and why)."""
+
+
+def _extent(sch: s_tir.Schedule, loop) -> int:
+    extent = sch.get(loop).extent
+    if not isinstance(extent, tirx.IntImm):
+        raise ScheduleError(f"loop {sch.get(loop).loop_var} has a symbolic extent {extent}")
+    return int(extent.value)
+
+
+def _only_block(sch: s_tir.Schedule):
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    if len(blocks) != 1:
+        raise ScheduleError(f"a stage must be one TE block, got {len(blocks)}")
+    return blocks[0]
+
+
+def _product(values) -> int:
+    return _fold(lambda a, b: a * b, values, 1)
+
+
+def choose_template(spatial: int, reduction: int, threads: int = THREADS) -> str:
+    """The template for a block with ``spatial`` outputs and ``reduction`` terms per output."""
+    if reduction == 1:
+        return "elementwise"
+    if reduction >= BLOCK_REDUCE_MIN_EXTENT and spatial < GRID_WAVE * threads:
+        return "block_reduce"
+    return "thread_reduce"
+
+
+def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS) -> tuple[tirx.PrimFunc, StageSchedule]:
+    """Tile the one block of ``func`` (a single TE from ``te.create_prim_func``) for blocks of
+    ``threads`` threads; ``gpu`` binds the tile and thread loops, the CPU runs them serially."""
+    sch = s_tir.Schedule(func)
+    block = _only_block(sch)
+    loops = sch.get_loops(block)
+    kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
+    n_spatial = sum(1 for k in kinds if k == tirx.IterVar.DataPar)
+    if any(k not in (tirx.IterVar.DataPar, tirx.IterVar.CommReduce) for k in kinds) or \
+            any(k == tirx.IterVar.DataPar for k in kinds[n_spatial:]):
+        raise ScheduleError(f"block {sch.get(block).name_hint}: iterators must be spatial, then reductions")
+    spatial_loops, reduce_loops = loops[:n_spatial], loops[n_spatial:]
+    outputs = _product(_extent(sch, loop) for loop in spatial_loops)
+    reduction = _product(_extent(sch, loop) for loop in reduce_loops)
+    template = choose_template(outputs, reduction, threads)
+    fused = sch.fuse(*spatial_loops) if len(spatial_loops) > 1 else (spatial_loops[0] if spatial_loops else sch.add_unit_loop(block))
+    if template == "elementwise":
+        unroll = 4 if outputs >= 4 * threads * GRID_WAVE else 1
+        tile, _, thread = sch.split(fused, [None, unroll, threads])
+        per_tile = unroll * threads
+    elif template == "block_reduce":
+        tile, per_tile = fused, 1
+        r = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
+        _, thread = sch.split(r, [None, threads])
+    else:
+        tile, thread = sch.split(fused, [None, threads])
+        per_tile = threads
+    if gpu:
+        sch.bind(tile, "blockIdx.x")
+        sch.bind(thread, "threadIdx.x")
+    n_tiles = -(-outputs // per_tile)
+    return sch.mod["main"], StageSchedule(template, n_tiles, per_tile, threads, outputs)

@@ -1,0 +1,466 @@
+"""The staged program: the whole model as the stages of ONE persistent kernel.
+
+``stage_program`` turns the global TE program into a list of stages (one per TE, plus the
+copies a scan's carries and outputs need) and loops over stages (one per scan), each stage
+tiled by ``codegen.schedule``. Then, as named passes over that one structure:
+
+- ``place_barriers`` puts a grid barrier before a stage only where it reads memory another
+  block may have written since the last barrier (or overwrites memory another block may still
+  be reading). "Another block" is decided with the analysis' access relations: a stage whose
+  every tile reads only elements the same-numbered tile of the writer wrote runs in the same
+  block after it (tile ``t`` runs on block ``t mod grid`` in every stage), so it needs none.
+  Loop bodies are analysed twice, the second time as the next iteration, so loop-carried
+  dependences get their barrier too.
+- ``plan_arena`` lays the intermediates out in one scratch arena per dtype and reuses an
+  offset once every access to its previous tensor is separated from the new one by a barrier.
+
+``codegen.cuda`` makes the program one CUDA kernel; ``codegen.llvm`` runs the very same
+stages, tiles, arena layout and barriers on the CPU. Every step returns or annotates the same
+``StagedProgram``, which prints as a table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import islpy as isl
+import numpy as np
+import tvm
+from tvm import te, tirx
+
+from analysis.affine import Rewriter
+from analysis.dependence import access_relations, isl_name
+from codegen.schedule import THREADS, StageSchedule, schedule_stage
+from codegen.stitch import BufferRef, _c_name, _Stitcher
+from souffle.graph import TensorSpec
+from souffle.lower import LoopRegion, Region, TEProgram
+
+ARENA_ALIGN = 16  # elements; 64 bytes of float32, one cache line
+
+
+@dataclass
+class Stage:
+    """One stage: a TE computed tile by tile into ``write``, reading ``reads``."""
+
+    name: str
+    tensor: te.Tensor  # the TE, over ``placeholders``
+    placeholders: list[te.Tensor]  # one per read, in ``reads`` order
+    func: tirx.PrimFunc  # scheduled; parameters: the placeholders, then the output
+    schedule: StageSchedule
+    reads: list[BufferRef]
+    write: BufferRef
+    barrier: str | None = None  # why a grid barrier precedes this stage; None: no barrier
+
+
+@dataclass
+class Loop:
+    """A scan: ``items`` run ``trips`` times, ``var`` counting iterations."""
+
+    name: str
+    var: tirx.Var
+    trips: int
+    items: list
+
+
+@dataclass
+class StagedProgram:
+    """The persistent kernel's program: stages and loops, and what the launcher must pass."""
+
+    name: str
+    items: list
+    input_buffers: list[tirx.Buffer]
+    weights: list[tuple[TensorSpec, np.ndarray]]
+    weight_buffers: list[tirx.Buffer]
+    output_buffers: list[tirx.Buffer]
+    outputs: list[TensorSpec]
+    threads: int
+    slots: dict = field(default_factory=dict)  # slot buffer -> (dtype, elements)
+    slot_offsets: dict = field(default_factory=dict)  # slot buffer -> element offset in its arena
+    arena_sizes: dict[str, int] = field(default_factory=dict)  # dtype -> elements
+    arena_buffers: dict[str, tirx.Buffer] = field(default_factory=dict)
+
+    def parameters(self) -> list[tirx.Buffer]:
+        """The buffers the program takes, in order: inputs, weights, outputs, arenas."""
+        return self.input_buffers + self.weight_buffers + self.output_buffers + list(self.arena_buffers.values())
+
+    def stages(self) -> list[Stage]:
+        """Every stage, loop bodies included once, in program order."""
+        return list(_walk(self.items))
+
+    def barrier_count(self, executed: bool = False) -> int:
+        """Grid barriers in the code, or (``executed``) run per inference, loops unrolled."""
+        return _count(self.items, lambda s: s.barrier is not None, executed)
+
+    def stage_count(self, executed: bool = False) -> int:
+        return _count(self.items, lambda s: True, executed)
+
+    @property
+    def max_tiles(self) -> int:
+        return max(s.schedule.n_tiles for s in self.stages())
+
+    @property
+    def arena_bytes(self) -> int:
+        return sum(n * np.dtype(d).itemsize for d, n in self.arena_sizes.items())
+
+    def table(self) -> str:
+        """One line per stage: its tiling and why a barrier precedes it."""
+        lines = [f"staged program {self.name}: {self.stage_count()} stages, {self.barrier_count()} grid barriers "
+                 f"({self.barrier_count(executed=True)} executed), arena {self.arena_bytes / 1e6:.3f} MB"]
+
+        def emit(items, depth):
+            for item in items:
+                pad = "  " * depth
+                if isinstance(item, Loop):
+                    lines.append(f"{pad}loop {item.name} x{item.trips}:")
+                    emit(item.items, depth + 1)
+                    continue
+                if item.barrier:
+                    lines.append(f"{pad}-- grid barrier: {item.barrier}")
+                lines.append(f"{pad}{item.name}: {item.schedule}")
+
+        emit(self.items, 1)
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+def _walk(items):
+    for item in items:
+        if isinstance(item, Loop):
+            yield from _walk(item.items)
+        else:
+            yield item
+
+
+def _count(items, predicate, executed: bool) -> int:
+    total = 0
+    for item in items:
+        if isinstance(item, Loop):
+            total += _count(item.items, predicate, executed) * (item.trips if executed else 1)
+        elif predicate(item):
+            total += 1
+    return total
+
+
+# -- building the stages ----------------------------------------------------------------------
+class SlotArena:
+    """Hands every intermediate its own slot buffer; ``plan_arena`` later places the slots."""
+
+    def __init__(self):
+        self.slots: dict = {}
+
+    def alloc(self, spec: TensorSpec, count: int = 1) -> BufferRef:
+        size = spec.size * count
+        slot = tirx.decl_buffer((size,), spec.dtype, name=f"slot{len(self.slots)}_{_c_name(spec.name)}"[:60])
+        self.slots[slot] = (spec.dtype, size)
+        return BufferRef(slot, 0, spec)
+
+
+def isolate(tensor: te.Tensor) -> tuple[te.Tensor, list[te.Tensor]]:
+    """``tensor``'s TE over fresh placeholders, one per tensor it reads (in ``input_tensors``
+    order, returned with it), so that it compiles on its own as one stage."""
+    op = tensor.op
+    if len(op.body) != 1:
+        raise ValueError(f"{op.name}: TEs with {len(op.body)} outputs are not staged")
+    inputs = list(op.input_tensors)
+    holders = {t.op: te.placeholder(t.shape, t.dtype, name=f"{t.op.name}_in") for t in inputs}
+    reduce_axes = {ax.var: te.reduce_axis(ax.dom, ax.var.name) for ax in op.reduce_axis}
+
+    def body(*axes):
+        variables = dict(zip([ax.var for ax in op.axis], axes))
+        variables.update({old: new.var for old, new in reduce_axes.items()})
+        return Rewriter(variables, f"staging {op.name}", lambda t, idx: holders[t.op](*idx), reduce_axes)(op.body[0])
+
+    staged = te.compute(tensor.shape, body, name=op.name, tag=op.tag,  # attrs name the old placeholders
+                        varargs_names=[ax.var.name for ax in op.axis])
+    return staged, [holders[t.op] for t in inputs]
+
+
+class _Stager(_Stitcher):
+    """The stitcher's memory placement, with regions and copies emitted as stages."""
+
+    def __init__(self, graph, gpu: bool, threads: int):
+        super().__init__(graph, None, SlotArena())
+        self.gpu = gpu
+        self.threads = threads
+        self.names: dict[str, int] = {}
+
+    def unique(self, name: str) -> str:
+        n = self.names.get(name, 0)
+        self.names[name] = n + 1
+        return name if n == 0 else f"{name}:{n + 1}"
+
+    def stage(self, name: str, tensor: te.Tensor, placeholders: list[te.Tensor], reads: list[BufferRef],
+              write: BufferRef) -> Stage:
+        func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), self.gpu, self.threads)
+        return Stage(self.unique(name), tensor, placeholders, func, schedule, reads, write)
+
+    def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
+        self.region_count += 1
+        name_of = {t.op: n for n, t in region.tensors.items()}
+        placed: dict = {}
+        for name in region.inputs:
+            placed[region.tensors[name].op] = self.resolve(refs, name)
+        for name in region.outputs:
+            placed[region.tensors[name].op] = refs[name]
+        stages = []
+        for tensor in region.stages():
+            if tensor.op not in placed:
+                placed[tensor.op] = self.arena.alloc(TensorSpec(tensor.op.name, tuple(int(d) for d in tensor.shape),
+                                                                str(tensor.dtype)))
+            staged, placeholders = isolate(tensor)
+            reads = [placed[t.op] for t in tensor.op.input_tensors]
+            label = f"{region.name}/{name_of.get(tensor.op, tensor.op.name)}"
+            stages.append(self.stage(label, staged, placeholders, reads, placed[tensor.op]))
+        return stages
+
+    def copy(self, src: BufferRef, dst: BufferRef) -> Stage:
+        source = te.placeholder(src.spec.shape, src.spec.dtype, name=f"{_c_name(src.spec.name)}_in")
+        copied = te.compute(src.spec.shape, lambda *i: source(*i), name=f"copy_{_c_name(src.spec.name)}")
+        return self.stage(f"copy {src.spec.name} -> {dst.spec.name}", copied, [source], [src], dst)
+
+    def make_loop(self, var: tirx.Var, trips: int, body: list, name: str) -> Loop:
+        return Loop(name, var, trips, body)
+
+
+def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS) -> StagedProgram:
+    """The program as stages of one persistent kernel with blocks of ``threads`` threads, tiled
+    for the GPU (or, with the same tiles, for the CPU); barriers and arena layout come next."""
+    stager = _Stager(program.graph, gpu, threads)
+    items, inputs, outputs = stager.whole(program)
+    weights, weight_buffers = stager.weights()
+    staged = StagedProgram(program.graph.name, items, inputs, weights, weight_buffers, outputs,
+                           program.graph.output_specs(), threads, slots=dict(stager.arena.slots))
+    names = [b.name for b in staged.parameters()]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise ValueError(f"{program.graph.name}: tensors {clash} have the same C name; rename one")
+    return staged
+
+
+# -- where grid barriers are needed -----------------------------------------------------------
+@dataclass
+class _Access:
+    stage: Stage
+    ref: BufferRef
+    placeholder: te.Tensor | None  # the reader's placeholder; None for a write
+    stale: frozenset = frozenset()  # loop variables that advanced since the access
+
+
+def _mentions(expr, variables) -> bool:
+    if isinstance(expr, int) or not variables:
+        return False
+    return any(v in variables for v in tirx.analysis.undefined_vars(expr))
+
+
+def _offsets_equal(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, int) or isinstance(b, int):
+        return False
+    return tvm.sym.Analyzer().can_prove_equal(a, b)
+
+
+def _same_memory(earlier: _Access, ref: BufferRef) -> str:
+    """'disjoint', 'same' (the same elements, the same iteration), or 'unknown'."""
+    a = earlier.ref
+    if not a.base.same_as(ref.base):
+        return "disjoint"
+    if isinstance(a.offset, int) and isinstance(ref.offset, int):
+        if a.offset + a.spec.size <= ref.offset or ref.offset + ref.spec.size <= a.offset:
+            return "disjoint"
+    if a.spec.size == ref.spec.size and _offsets_equal(a.offset, ref.offset) and not _mentions(a.offset, earlier.stale):
+        return "same"
+    return "unknown"
+
+
+def _flat(names: list[str], shape) -> str:
+    terms, stride = [], 1
+    for name, extent in reversed(list(zip(names, shape))):
+        terms.append(f"{stride}*{name}")
+        stride *= int(extent)
+    return " + ".join(terms) or "0"
+
+
+def _tiles_of(tuple_name: str, shape, per_tile: int, tile_tuple: str) -> isl.Map:
+    names = [f"a{k}" for k in range(len(shape))]
+    bounds = " and ".join(f"0 <= {n} < {int(e)}" for n, e in zip(names, shape)) or "true"
+    return isl.Map(f"{{ {tuple_name}[{', '.join(names)}] -> {tile_tuple}[t] : t = floor(({_flat(names, shape)})/{per_tile})"
+                   f" and {bounds} }}")
+
+
+def same_block(reader: Stage, placeholder: te.Tensor, writer: Stage) -> bool:
+    """Every element ``reader``'s tile t reads of ``placeholder`` was written by ``writer``'s tile t."""
+    access = access_relations(reader.tensor)[placeholder.op].spatial
+    reads = _tiles_of(access.get_tuple_name(isl.dim_type.in_), reader.tensor.shape, reader.schedule.per_tile, "R")
+    writes = _tiles_of(access.get_tuple_name(isl.dim_type.out), placeholder.shape, writer.schedule.per_tile, "W")
+    cross = reads.reverse().apply_range(access).apply_range(writes)
+    return cross.is_subset(isl.Map("{ R[t] -> W[t] }"))
+
+
+def _conflict(stage: Stage, writes: list[_Access], reads: list[_Access]) -> str | None:
+    """Why ``stage`` cannot run without a barrier after these accesses; None if it can."""
+    for k, ref in enumerate(stage.reads):
+        for w in writes:
+            overlap = _same_memory(w, ref)
+            if overlap == "disjoint" or w.stage is stage:
+                continue
+            if overlap == "same" and same_block(stage, stage.placeholders[k], w.stage):
+                continue
+            return f"reads {ref.spec.name} written by {w.stage.name} in other blocks"
+    for r in reads:
+        overlap = _same_memory(r, stage.write)
+        if overlap == "disjoint" or r.stage is stage:
+            continue
+        if overlap == "same" and same_block(r.stage, r.placeholder, stage):
+            continue
+        return f"overwrites {stage.write.spec.name} while {r.stage.name} may still read it in other blocks"
+    for w in writes:
+        overlap = _same_memory(w, stage.write)
+        if overlap == "disjoint":
+            continue
+        if overlap == "same" and w.stage.schedule.per_tile == stage.schedule.per_tile:
+            continue
+        return f"writes {stage.write.spec.name} also written by {w.stage.name} in other blocks"
+    return None
+
+
+class _BarrierPass:
+    def __init__(self):
+        self.writes: list[_Access] = []
+        self.reads: list[_Access] = []
+        self.changed = False
+
+    def run(self, items: list):
+        for item in items:
+            if isinstance(item, Loop):
+                self.loop(item)
+                continue
+            if item.barrier is not None:
+                self.writes, self.reads = [], []
+            else:
+                why = _conflict(item, self.writes, self.reads)
+                if why is not None:
+                    item.barrier = why
+                    self.changed = True
+                    self.writes, self.reads = [], []
+            self.reads += [_Access(item, ref, p) for ref, p in zip(item.reads, item.placeholders)]
+            self.writes.append(_Access(item, item.write, None))
+
+    def loop(self, loop: Loop):
+        """The body as the first iteration, then as a later one until no barrier is added."""
+        self.run(loop.items)
+        while True:
+            self.changed = False
+            self.writes = [_Access(a.stage, a.ref, a.placeholder, a.stale | {loop.var}) for a in self.writes]
+            self.reads = [_Access(a.stage, a.ref, a.placeholder, a.stale | {loop.var}) for a in self.reads]
+            self.run(loop.items)
+            if not self.changed:
+                return
+
+
+def place_barriers(staged: StagedProgram) -> StagedProgram:
+    """Mark the stages that need a grid barrier before them, with the reason."""
+    _BarrierPass().run(staged.items)
+    return staged
+
+
+# -- the scratch arena ------------------------------------------------------------------------
+def _first_stage(items) -> Stage | None:
+    return next(iter(_walk(items)), None)
+
+
+def _live_ranges(staged: StagedProgram) -> dict:
+    """Slot -> (first, last) barrier interval in which it is accessed. A slot used inside a
+    loop is live for the whole loop unless every iteration starts with a barrier, it is only
+    used in that loop, and its first use there is a whole write at a fixed offset."""
+    ranges: dict = {}
+    phase = 0
+
+    def touch(slot, lo, hi):
+        old = ranges.get(slot)
+        ranges[slot] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+
+    def visit(items):
+        nonlocal phase
+        for item in items:
+            if isinstance(item, Loop):
+                start = phase
+                inner_first = _first_stage(item.items)
+                first_access: dict = {}
+                for s in _walk(item.items):
+                    for ref in s.reads:
+                        first_access.setdefault(ref.base, "read")
+                    first_access.setdefault(s.write.base, "write" if isinstance(s.write.offset, int) else "read")
+                before = dict(ranges)
+                visit(item.items)
+                restarts = inner_first is not None and inner_first.barrier is not None
+                for slot, kind in first_access.items():
+                    local = restarts and kind == "write" and slot not in before
+                    if slot in staged.slots and not local:
+                        touch(slot, start, phase)
+                continue
+            if item.barrier is not None:
+                phase += 1
+            for ref in item.reads + [item.write]:
+                if ref.base in staged.slots:
+                    touch(ref.base, phase, phase)
+
+    visit(staged.items)
+    return ranges
+
+
+def plan_arena(staged: StagedProgram) -> StagedProgram:
+    """Give every slot an offset in its dtype's arena; a slot reuses memory whose previous
+    tensor's accesses all ended at least one barrier before its own begin."""
+    ranges = _live_ranges(staged)
+    placed: dict[str, list] = {}  # dtype -> [(offset, size, last phase)]
+    for slot, (lo, hi) in sorted(ranges.items(), key=lambda kv: (kv[1][0], -staged.slots[kv[0]][1])):
+        dtype, size = staged.slots[slot]
+        taken = [(o, n) for o, n, last, first in placed.get(dtype, []) if not (last < lo or hi < first)]
+        offset = 0
+        for o, n in sorted(taken):
+            if offset + size <= o:
+                break
+            offset = max(offset, _align(o + n))
+        placed.setdefault(dtype, []).append((offset, size, hi, lo))
+        staged.slot_offsets[slot] = offset
+    staged.arena_sizes = {d: max((o + n for o, n, _, _ in v), default=0) for d, v in placed.items()}
+    staged.arena_buffers = {d: tirx.decl_buffer((tirx.Var(f"arena_{d}_n", "int64"),), d, name=f"arena_{d}")
+                            for d in staged.arena_sizes}
+    return staged
+
+
+def _align(n: int) -> int:
+    return (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+
+
+# -- shared by the CUDA and CPU builders ------------------------------------------------------
+def slot_views(staged: StagedProgram) -> list[tirx.Stmt]:
+    """Each used slot declared as a view into its arena at its planned offset."""
+    views = []
+    for slot, offset in staged.slot_offsets.items():
+        arena = staged.arena_buffers[staged.slots[slot][0]]
+        views.append(tirx.DeclBuffer(slot, data=BufferRef(arena, offset, None).pointer()))
+    return views
+
+
+def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr) -> tirx.Stmt:
+    """The stage's code for one block: its parameters as views, and its outermost (tile) loop
+    replaced by ``for t in range(ceildiv(n_tiles - block, grid)): tile = block + t * grid``."""
+    func = stage.func
+    views = [tirx.DeclBuffer(param, data=ref.pointer()) for param, ref in zip(func.params, stage.reads + [stage.write])]
+    realize = func.body
+    root = realize.block
+    tile_loop = root.body
+    if not isinstance(tile_loop, tirx.For):
+        raise ValueError(f"stage {stage.name}: the tile loop must be the root block's only statement")
+    dtype = str(tile_loop.loop_var.ty.dtype)
+    block, grid = (x if str(x.ty.dtype) == dtype else tirx.Cast(dtype, x) for x in (block, grid))
+    t = tirx.Var("t", dtype)
+    n_tiles = tirx.const(stage.schedule.n_tiles, dtype)
+    persistent = tirx.For(t, 0, tirx.floordiv(n_tiles - block + grid - 1, grid), tirx.ForKind.SERIAL,
+                          tirx.SeqStmt([tirx.Bind(tile_loop.loop_var, block + t * grid), tile_loop.body]))
+    new_root = type(root)(root.iter_vars, root.reads, root.writes, root.name_hint, persistent, root.init,
+                          root.alloc_buffers, root.match_buffers, root.annotations)
+    return tirx.SeqStmt(views + [type(realize)(realize.iter_values, realize.predicate, new_root)])

@@ -1,0 +1,434 @@
+"""CUDA runtime without TVM: nvcc to cubin (cached), and the driver API through cuda-bindings.
+
+This module needs only numpy, nvcc for compiling and ``cuda-bindings`` for running, so it
+works on a GPU machine where TVM is not installed. Importing it needs neither a GPU nor a
+driver: the driver is loaded on the first call of :func:`driver`.
+
+Every failure is a :class:`~souffle.errors.TargetError` naming the problem: a missing nvcc,
+a compile error (with nvcc's first lines), a missing driver or GPU, a failed driver call
+(with the call and the CUDA error name), a grid too large for a cooperative launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from souffle.errors import TargetError
+
+# ---------------------------------------------------------------------------------------------
+# nvcc
+
+_NVCC_FLAGS = ("-O3", "-lineinfo", "--resource-usage")
+_ARCH = re.compile(r"sm_\d{2,3}[af]?")
+_ERROR_LINES = 20
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reports for one entry function: the inputs of the occupancy calculation.
+
+    ``shared_bytes`` is static shared memory; ``spill_bytes`` is the bytes of spill stores
+    (the local-memory footprint of spilled registers), non-zero meaning the kernel spills.
+    """
+
+    arch: str
+    registers: int
+    shared_bytes: int
+    stack_bytes: int
+    spill_bytes: int
+    barriers: int
+
+
+def parse_resource_usage(text: str, arch: str, kernel: str = "main_kernel") -> KernelResources:
+    """Read ``kernel``'s resources from the ``ptxas info`` lines of ``nvcc --resource-usage``.
+
+    ptxas writes, per entry function, a "Compiling entry function" header, a "Function
+    properties for" line followed by the stack/spill line, and a "Used N registers" line
+    whose parts (barriers, smem) are left out when zero. Other functions' lines (other
+    kernels, non-inlined device functions) are skipped.
+    """
+    entry = props = None
+    found = {}
+    for line in text.splitlines():
+        if m := re.search(r"Compiling entry function '([^']+)'", line):
+            entry, props = m[1], None
+        elif m := re.search(r"Function properties for (\S+)", line):
+            props = m[1]
+        elif "bytes stack frame" in line:
+            if props == kernel:
+                found["stack_bytes"] = _number(r"(\d+) bytes stack frame", line)
+                found["spill_bytes"] = _number(r"(\d+) bytes spill stores", line)
+        # The Used line belongs to the entry being compiled; output without "Compiling entry
+        # function" headers names it only in "Function properties".
+        elif (m := re.search(r"\bUsed (\d+) registers", line)) and (entry if entry is not None else props) == kernel:
+            found["registers"] = int(m[1])
+            found["barriers"] = _number(r"used (\d+) barriers", line)
+            found["shared_bytes"] = _number(r"(\d+) bytes smem", line)
+    if "registers" not in found:
+        raise TargetError(
+            f"ptxas reported no resource usage for kernel {kernel!r}: is it an extern \"C\" "
+            f"__global__ function of the source (C++ names are mangled)?"
+        )
+    return KernelResources(arch=arch, **{"stack_bytes": 0, "spill_bytes": 0, **found})
+
+
+def _number(pattern: str, line: str) -> int:
+    m = re.search(pattern, line)
+    return int(m[1]) if m else 0
+
+
+def _nvcc_path() -> str:
+    path = shutil.which("nvcc")
+    if path is None:
+        raise TargetError("nvcc not found on PATH: install the CUDA toolkit and put its bin/ directory on PATH")
+    return path
+
+
+def nvcc_version() -> str:
+    """The output of ``nvcc --version`` for the nvcc on PATH (part of every cache key)."""
+    path = _nvcc_path()
+    stat = os.stat(path)
+    return _nvcc_version(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _nvcc_version(path: str, mtime_ns: int, size: int) -> str:
+    """Memoized per nvcc binary, so that a cache hit runs no nvcc at all after the first one."""
+    result = subprocess.run([path, "--version"], check=False, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise TargetError(f"{path} --version failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result.stdout.strip()
+
+
+def _cache_dir(cache_dir) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if root := os.environ.get("SOUFFLE_CACHE_DIR"):
+        return Path(root) / "cubin"
+    return Path.home() / ".cache" / "souffle" / "cubin"
+
+
+def compile_cubin(source: str, arch: str, kernel: str = "main_kernel", cache_dir=None) -> tuple[bytes, KernelResources]:
+    """Compile CUDA ``source`` to a cubin for ``arch`` ("sm_90") and report ``kernel``'s resources.
+
+    Results are cached under ``cache_dir``, else ``$SOUFFLE_CACHE_DIR/cubin``, else
+    ``~/.cache/souffle/cubin``, keyed by the source, arch, kernel, nvcc version and flags;
+    a hit reads two files and runs no nvcc.
+    """
+    if not isinstance(arch, str) or not _ARCH.fullmatch(arch):
+        raise TargetError(f"bad CUDA arch {arch!r}: expected a real architecture like 'sm_80' or 'sm_90'")
+    nvcc = _nvcc_path()
+    key = json.dumps(
+        {"source": source, "arch": arch, "kernel": kernel, "nvcc": nvcc_version(), "flags": _NVCC_FLAGS},
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    directory = _cache_dir(cache_dir)
+    cubin_path, meta_path = directory / f"{digest}.cubin", directory / f"{digest}.json"
+    if meta_path.exists() and cubin_path.exists():
+        return cubin_path.read_bytes(), KernelResources(**json.loads(meta_path.read_text()))
+
+    with tempfile.TemporaryDirectory(prefix="souffle-nvcc-") as tmp:
+        src, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
+        src.write_text(source)
+        result = subprocess.run(
+            [nvcc, "-cubin", f"-arch={arch}", *_NVCC_FLAGS, "-o", str(out), str(src)],
+            check=False,
+            capture_output=True,
+            text=True,
+            cwd=tmp,
+        )
+        if result.returncode != 0:
+            lines = (result.stderr or result.stdout).strip().splitlines()
+            shown = "\n".join(lines[:_ERROR_LINES])
+            more = f"\n... ({len(lines) - _ERROR_LINES} more lines)" if len(lines) > _ERROR_LINES else ""
+            raise TargetError(f"nvcc failed to compile {kernel!r} for {arch}:\n{shown}{more}")
+        resources = parse_resource_usage(result.stderr + result.stdout, arch, kernel)
+        cubin = out.read_bytes()
+
+    # The JSON is written last and marks the entry complete; os.replace makes each file
+    # appear whole, so a concurrent or interrupted compile never leaves a torn entry.
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_atomic(cubin_path, cubin)
+    _write_atomic(meta_path, json.dumps(asdict(resources)).encode())
+    return cubin, resources
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver
+
+_NO_GPU = "target 'cuda' needs an NVIDIA GPU and driver"
+
+
+def _bindings():
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:
+        raise TargetError(f"target 'cuda' needs cuda-python's driver bindings: pip install cuda-bindings ({e})") from e
+    return cu
+
+
+def driver():
+    """The ``cuda.bindings.driver`` module, initialized (``cuInit``); loads libcuda on first use."""
+    cu = _bindings()
+    try:
+        (err,) = cu.cuInit(0)
+    except (RuntimeError, OSError) as e:  # the loader raises when libcuda.so is not found
+        raise TargetError(f"{_NO_GPU}: {e}") from e
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise TargetError(f"{_NO_GPU}: cuInit failed with {_error_name(cu, err)}")
+    return cu
+
+
+def gpu_available() -> bool:
+    """Whether a CUDA device can be used here; never raises (every failure below is a TargetError)."""
+    try:
+        return _check(driver().cuDeviceGetCount(), "cuDeviceGetCount") > 0
+    except TargetError:
+        return False
+
+
+def _error_name(cu, err) -> str:
+    status, name = cu.cuGetErrorName(err)
+    return name.decode() if status == cu.CUresult.CUDA_SUCCESS else f"CUresult {int(err)}"
+
+
+def _check(result, what: str):
+    """Unpack a cuda-bindings result ``(CUresult, *values)``, raising TargetError on failure.
+
+    Returns None, the one value, or the tuple of values.
+    """
+    cu = _bindings()
+    err, *values = result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise TargetError(f"{what} failed: {_error_name(cu, err)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class Device:
+    """One GPU with its primary context, made current on the calling thread by every method."""
+
+    def __init__(self, ordinal: int = 0):
+        cu = driver()
+        count = _check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        if not 0 <= ordinal < count:
+            raise TargetError(f"no CUDA device {ordinal}: this machine has {count}")
+        self.ordinal = ordinal
+        self.handle = _check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.context = _check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
+        self._finalizer = weakref.finalize(self, _release_context, cu, self.handle)
+        self._current()
+        raw = _check(cu.cuDeviceGetName(256, self.handle), "cuDeviceGetName")
+        self.name = raw.split(b"\0", 1)[0].decode()
+        major = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        minor = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        self.arch = f"sm_{major}{minor}"
+        self.sms = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.cooperative_launch = bool(self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH))
+
+    def __repr__(self):
+        return f"Device({self.ordinal}: {self.name}, {self.arch}, {self.sms} SMs)"
+
+    def _attribute(self, attribute) -> int:
+        return _check(_bindings().cuDeviceGetAttribute(attribute, self.handle), f"cuDeviceGetAttribute({attribute.name})")
+
+    def _current(self):
+        """Make this device's context current on this thread (the driver tracks it per thread)."""
+        cu = _bindings()
+        _check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        return cu
+
+    def alloc(self, nbytes: int) -> DeviceBuffer:
+        return DeviceBuffer(self, nbytes)
+
+    def upload(self, array: np.ndarray) -> DeviceBuffer:
+        array = np.ascontiguousarray(array)
+        buffer = DeviceBuffer(self, array.nbytes)
+        buffer.upload(array)
+        return buffer
+
+    def synchronize(self) -> None:
+        _check(self._current().cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+def _release_context(cu, handle) -> None:
+    cu.cuDevicePrimaryCtxRelease(handle)  # at teardown there is no one to report a failure to
+
+
+class DeviceBuffer:
+    """Device memory, freed by :meth:`free` or when garbage-collected.
+
+    It holds its Device, so the context outlives the memory.
+    """
+
+    def __init__(self, device: Device, nbytes: int):
+        if nbytes <= 0:
+            raise ValueError(f"a device buffer needs a positive size, got {nbytes} bytes")
+        cu = device._current()
+        self.device = device
+        self.nbytes = nbytes
+        self.ptr = int(_check(cu.cuMemAlloc(nbytes), f"cuMemAlloc({nbytes} bytes)"))
+        self._finalizer = weakref.finalize(self, _free, device, self.ptr)
+
+    def __repr__(self):
+        return f"DeviceBuffer({self.nbytes} bytes at {self.ptr:#x})"
+
+    def _live(self):
+        if not self._finalizer.alive:
+            raise TargetError(f"device buffer at {self.ptr:#x} was already freed")
+        return self.device._current()
+
+    def upload(self, array: np.ndarray) -> None:
+        """Copy ``array`` (made C-contiguous) to the start of this buffer."""
+        array = np.ascontiguousarray(array)
+        if array.nbytes > self.nbytes:
+            raise ValueError(f"cannot upload {array.nbytes} bytes into a {self.nbytes}-byte device buffer")
+        cu = self._live()
+        _check(cu.cuMemcpyHtoD(self.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
+
+    def download(self, dtype, shape) -> np.ndarray:
+        """A new array of ``dtype`` and ``shape`` read from the start of this buffer."""
+        out = np.empty(shape, dtype)
+        if out.nbytes > self.nbytes:
+            raise ValueError(f"cannot download {out.nbytes} bytes from a {self.nbytes}-byte device buffer")
+        cu = self._live()
+        _check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def free(self) -> None:
+        self._finalizer()
+
+
+def _free(device: Device, ptr: int) -> None:
+    cu = _bindings()
+    cu.cuCtxSetCurrent(device.context)
+    cu.cuMemFree(ptr)  # runs from the garbage collector, where raising would only print
+
+
+class Kernel:
+    """One ``__global__`` function of a cubin, loaded on a device."""
+
+    def __init__(self, device: Device, cubin: bytes, name: str = "main_kernel"):
+        cu = device._current()
+        self.device = device
+        self.name = name
+        # The driver reads the image through a pointer, so keep it in memory we own for the call.
+        image = np.frombuffer(cubin, dtype=np.uint8)
+        self.module = _check(cu.cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData (a cubin on {device.arch})")
+        self._finalizer = weakref.finalize(self, _unload, device, self.module)
+        self.function = _check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name!r})")
+
+    def max_active_blocks_per_sm(self, threads: int, dynamic_smem: int = 0) -> int:
+        cu = self.device._current()
+        return _check(
+            cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, dynamic_smem),
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        )
+
+    def launch(self, grid: int, threads: int, args: list, cooperative: bool = True, stream=None) -> None:
+        """Launch on a 1-D grid of ``grid`` blocks of ``threads`` threads; asynchronous.
+
+        ``args`` are DeviceBuffers (passed as pointers), ints (int32) and floats (float32), in
+        the kernel's parameter order. A cooperative launch (needed for grid-wide sync) is
+        refused up front when the grid cannot be co-resident, with the numbers that say why.
+        """
+        cu = self.device._current()
+        params = _kernel_params(args)
+        if cooperative:
+            if not self.device.cooperative_launch:
+                raise TargetError(f"{self.device.name} does not support cooperative launches")
+            per_sm = self.max_active_blocks_per_sm(threads)
+            limit = self.device.sms * per_sm
+            if grid > limit:
+                raise TargetError(
+                    f"grid of {grid} blocks cannot be co-resident: "
+                    f"{self.device.sms} SMs x {per_sm} blocks/SM = {limit}"
+                )
+            result = cu.cuLaunchCooperativeKernel(self.function, grid, 1, 1, threads, 1, 1, 0, stream, params)
+        else:
+            result = cu.cuLaunchKernel(self.function, grid, 1, 1, threads, 1, 1, 0, stream, params, 0)
+        kind = "cooperative launch" if cooperative else "launch"
+        _check(result, f"{kind} of {self.name!r} ({grid} blocks x {threads} threads)")
+
+
+def _unload(device: Device, module) -> None:
+    cu = _bindings()
+    cu.cuCtxSetCurrent(device.context)
+    cu.cuModuleUnload(module)  # runs from the garbage collector, where raising would only print
+
+
+def _kernel_params(args: list) -> tuple[tuple, tuple]:
+    """cuda-bindings' kernel-parameter form: (values, ctypes types), one pair per parameter.
+
+    Pointers go as c_void_p: a plain int with type None is refused by cuda-bindings, which
+    takes None only for its own objects (CUdeviceptr and the like).
+    """
+    values, types = [], []
+    for i, arg in enumerate(args):
+        if isinstance(arg, DeviceBuffer):
+            arg._live()
+            values.append(arg.ptr)
+            types.append(ctypes.c_void_p)
+        elif isinstance(arg, (int, np.integer)):
+            if not -(2**31) <= int(arg) < 2**31:
+                raise ValueError(f"kernel argument {i} = {arg} does not fit the int32 it is passed as")
+            values.append(int(arg))
+            types.append(ctypes.c_int32)
+        elif isinstance(arg, (float, np.floating)):
+            values.append(float(arg))
+            types.append(ctypes.c_float)
+        else:
+            raise TypeError(f"kernel argument {i} is a {type(arg).__name__}: expected a DeviceBuffer, int or float")
+    return tuple(values), tuple(types)
+
+
+def time_kernel(run, device: Device, warmup: int = 5, repeat: int = 50) -> list[float]:
+    """Seconds taken by each of ``repeat`` calls of ``run()``, after ``warmup`` untimed calls.
+
+    Each call is bracketed by a pair of CUDA events on the default stream (where ``run`` must
+    launch) and waited for before the next, so a time covers the launches and the GPU work of
+    one call, with no overlap between calls; the one pair is reused, being idle between calls.
+    """
+    cu = device._current()
+    for _ in range(warmup):
+        run()
+    device.synchronize()
+    start, stop = (_check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate") for _ in range(2))
+    try:
+        times = []
+        for _ in range(repeat):
+            _check(cu.cuEventRecord(start, 0), "cuEventRecord")
+            run()
+            _check(cu.cuEventRecord(stop, 0), "cuEventRecord")
+            _check(cu.cuEventSynchronize(stop), "cuEventSynchronize")
+            times.append(_check(cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3)
+        return times
+    finally:
+        for event in (start, stop):
+            _check(cu.cuEventDestroy(event), "cuEventDestroy")

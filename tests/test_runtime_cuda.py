@@ -1,0 +1,299 @@
+"""The CUDA runtime: nvcc compilation and its cache, the ptxas report, the driver and launches.
+
+The default suite needs nvcc but no GPU; the ``gpu`` tests run a grid-synced kernel for real
+(``pytest -m gpu`` on a machine with an NVIDIA GPU and cuda-bindings).
+"""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from souffle.errors import SouffleError, TargetError
+from souffle.runtime import cuda
+from souffle.runtime.cuda import KernelResources, compile_cubin, parse_resource_usage
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+# Stage 1 doubles the input, the grid syncs, stage 2 reads a neighbour that another block
+# may have written: right only if every block finished stage 1 first.
+TWO_STAGE = r"""
+#include <cooperative_groups.h>
+
+extern "C" __global__ void main_kernel(const float* __restrict__ in, float* out, float* out2, int n) {
+  int stride = gridDim.x * blockDim.x;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = in[i] * 2.0f;
+  cooperative_groups::this_grid().sync();
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out2[i] = out[(i + 1) % n];
+}
+"""
+
+SCALE = r"""
+extern "C" __global__ void scale(const float* in, float* out, float alpha, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = in[i] * alpha;
+}
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# the ptxas report
+
+
+def test_parse_resources_all_parts():
+    text = textwrap.dedent("""\
+        ptxas info    : Function properties for main_kernel
+            0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+        ptxas info    : Used 32 registers, used 1 barriers, 96 bytes smem, 400 bytes cmem[0]
+        """)
+    assert parse_resource_usage(text, "sm_80") == KernelResources("sm_80", 32, 96, 0, 0, 1)
+
+
+def test_parse_resources_parts_left_out_are_zero():
+    # nvcc 13 for sm_90: no smem part when there is no static shared memory.
+    text = textwrap.dedent("""\
+        ptxas info    : 0 bytes gmem
+        ptxas info    : Compiling entry function 'main_kernel' for 'sm_90'
+        ptxas info    : Function properties for main_kernel
+            0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+        ptxas info    : Used 32 registers, used 1 barriers
+        ptxas info    : Compile time = 28.886 ms
+        """)
+    assert parse_resource_usage(text, "sm_90") == KernelResources("sm_90", 32, 0, 0, 0, 1)
+    only_registers = "ptxas info    : Function properties for main_kernel\nptxas info    : Used 10 registers, 352 bytes cmem[0]\n"
+    assert parse_resource_usage(only_registers, "sm_80") == KernelResources("sm_80", 10, 0, 0, 0, 0)
+
+
+def test_parse_resources_picks_the_named_kernel():
+    text = textwrap.dedent("""\
+        ptxas info    : 0 bytes gmem
+        ptxas info    : Compiling entry function 'other' for 'sm_90'
+        ptxas info    : Function properties for other
+            8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+        ptxas info    : Used 255 registers, used 0 barriers, 1024 bytes smem, 368 bytes cmem[0]
+        ptxas info    : Compiling entry function 'main_kernel' for 'sm_90'
+        ptxas info    : Function properties for _Z6helperPf
+            16 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+        ptxas info    : Function properties for main_kernel
+            40 bytes stack frame, 24 bytes spill stores, 28 bytes spill loads
+        ptxas info    : Used 168 registers, used 1 barriers, 4096 bytes smem, 380 bytes cmem[0], 8 bytes cmem[2]
+        """)
+    assert parse_resource_usage(text, "sm_90") == KernelResources("sm_90", 168, 4096, 40, 24, 1)
+    assert parse_resource_usage(text, "sm_90", kernel="other") == KernelResources("sm_90", 255, 1024, 8, 4, 0)
+
+
+def test_parse_resources_missing_kernel():
+    text = "ptxas info    : Compiling entry function '_Z11main_kernelPf' for 'sm_90'\nptxas info    : Used 8 registers\n"
+    with pytest.raises(TargetError, match="no resource usage for kernel 'main_kernel'.*extern"):
+        parse_resource_usage(text, "sm_90")
+
+
+# ---------------------------------------------------------------------------------------------
+# nvcc and the cache
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_compile_and_cache_hit(arch, tmp_path, monkeypatch):
+    cubin, resources = compile_cubin(TWO_STAGE, arch, cache_dir=tmp_path)
+    assert cubin[:4] == b"\x7fELF"
+    assert resources.arch == arch
+    assert resources.registers > 0
+    assert resources.barriers >= 1  # the grid sync needs a block barrier
+    assert (resources.stack_bytes, resources.spill_bytes) == (0, 0)
+    assert len(list(tmp_path.iterdir())) == 2  # the cubin and its resources
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"a cache hit ran {args[0]}")
+
+    monkeypatch.setattr(cuda.subprocess, "run", no_subprocess)
+    assert compile_cubin(TWO_STAGE, arch, cache_dir=tmp_path) == (cubin, resources)
+
+
+@needs_nvcc
+def test_cache_key_and_default_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SOUFFLE_CACHE_DIR", str(tmp_path))
+    compile_cubin(SCALE, "sm_90", kernel="scale")
+    compile_cubin(SCALE, "sm_90", kernel="scale")
+    assert len(list((tmp_path / "cubin").iterdir())) == 2
+    compile_cubin(SCALE + "\n// changed\n", "sm_90", kernel="scale")
+    assert len(list((tmp_path / "cubin").iterdir())) == 4
+
+
+@needs_nvcc
+def test_compile_error_shows_nvcc_message(tmp_path):
+    bad = 'extern "C" __global__ void main_kernel(float* x) {\n  x[0] = undefined_name;\n}\n'
+    with pytest.raises(TargetError, match=r"nvcc failed to compile 'main_kernel' for sm_90") as info:
+        compile_cubin(bad, "sm_90", cache_dir=tmp_path)
+    assert 'kernel.cu(2): error: identifier "undefined_name" is undefined' in str(info.value)
+    assert isinstance(info.value, SouffleError)
+    assert not any(tmp_path.iterdir())
+
+
+@needs_nvcc
+def test_mangled_kernel_name_is_reported(tmp_path):
+    source = "__global__ void main_kernel(float* x) { x[0] = 1.0f; }\n"
+    with pytest.raises(TargetError, match="extern \"C\""):
+        compile_cubin(source, "sm_90", cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["sm80", "compute_90", "sm_9", "90", "SM_90", None])
+def test_bad_arch(arch, tmp_path):
+    with pytest.raises(TargetError, match="bad CUDA arch"):
+        compile_cubin(TWO_STAGE, arch, cache_dir=tmp_path)
+
+
+def test_nvcc_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(TargetError, match="nvcc not found on PATH: install the CUDA toolkit"):
+        compile_cubin(TWO_STAGE, "sm_90", cache_dir=tmp_path)
+    with pytest.raises(TargetError, match="nvcc not found"):
+        cuda.nvcc_version()
+
+
+@needs_nvcc
+def test_nvcc_version():
+    assert "Cuda compilation tools" in cuda.nvcc_version()
+
+
+# ---------------------------------------------------------------------------------------------
+# without a GPU
+
+
+def test_module_imports_without_tvm():
+    # Loads souffle.runtime.cuda with tvm made unimportable. The souffle package's own
+    # __init__ is bypassed (it imports the TVM compiler); this checks the runtime's imports.
+    root = Path(__file__).resolve().parents[1]
+    script = textwrap.dedent(f"""
+        import sys, types
+        class NoTVM:
+            def find_spec(self, name, path=None, target=None):
+                if name == "tvm" or name.startswith("tvm."):
+                    raise ImportError("tvm blocked")
+        sys.meta_path.insert(0, NoTVM())
+        package = types.ModuleType("souffle")
+        package.__path__ = [{str(root / "souffle")!r}]
+        sys.modules["souffle"] = package
+        import souffle.runtime.cuda
+        assert not any(m == "tvm" or m.startswith("tvm.") for m in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_bindings_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    with pytest.raises(TargetError, match="pip install cuda-bindings"):
+        cuda.driver()
+    assert cuda.gpu_available() is False
+
+
+def test_no_gpu_gives_target_error():
+    if cuda.gpu_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(TargetError, match="target 'cuda' needs an NVIDIA GPU and driver: .+"):
+        cuda.driver()
+    with pytest.raises(TargetError, match="target 'cuda' needs an NVIDIA GPU and driver"):
+        cuda.Device()
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU
+
+
+@pytest.fixture(scope="module")
+def device():
+    return cuda.Device(0)
+
+
+@pytest.fixture(scope="module")
+def two_stage(device, tmp_path_factory):
+    cubin, _ = compile_cubin(TWO_STAGE, device.arch, cache_dir=tmp_path_factory.mktemp("cubin"))
+    return cuda.Kernel(device, cubin)
+
+
+@pytest.mark.gpu
+def test_device_attributes(device):
+    assert cuda.gpu_available()
+    assert device.name and device.sms > 0
+    assert device.arch.startswith("sm_") and device.arch[3:].isdigit()
+    assert device.cooperative_launch is True
+
+
+@pytest.mark.gpu
+def test_buffer_round_trip(device):
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    buffer = device.upload(x)
+    assert buffer.nbytes == x.nbytes
+    np.testing.assert_array_equal(buffer.download(np.float32, (3, 4)), x)
+    with pytest.raises(ValueError, match="cannot download"):
+        buffer.download(np.float32, (4, 4))
+    buffer.free()
+    with pytest.raises(TargetError, match="already freed"):
+        buffer.download(np.float32, (3, 4))
+
+
+@pytest.mark.gpu
+def test_two_stage_grid_sync_at_max_grid(device, two_stage, rng):
+    threads = 256
+    per_sm = two_stage.max_active_blocks_per_sm(threads)
+    grid = device.sms * per_sm
+    n = grid * threads * 3 + 17  # several grid-stride rounds, the last one partial
+    x = rng.standard_normal(n).astype(np.float32)
+    inp, out, out2 = device.upload(x), device.alloc(x.nbytes), device.alloc(x.nbytes)
+    two_stage.launch(grid, threads, [inp, out, out2, n])
+    device.synchronize()
+    doubled = out.download(np.float32, n)
+    np.testing.assert_array_equal(doubled, x * 2)
+    np.testing.assert_array_equal(out2.download(np.float32, n), np.roll(doubled, -1))
+
+
+@pytest.mark.gpu
+def test_oversized_cooperative_grid_is_refused_before_launch(device, two_stage):
+    threads = 256
+    per_sm = two_stage.max_active_blocks_per_sm(threads)
+    grid = device.sms * per_sm + 1
+    n = 1024
+    zeros = np.zeros(n, np.float32)
+    inp, out, out2 = device.upload(np.ones(n, np.float32)), device.upload(zeros), device.upload(zeros)
+    expected = f"grid of {grid} blocks cannot be co-resident: {device.sms} SMs x {per_sm} blocks/SM = {grid - 1}"
+    with pytest.raises(TargetError, match=expected):
+        two_stage.launch(grid, threads, [inp, out, out2, n])
+    device.synchronize()
+    np.testing.assert_array_equal(out.download(np.float32, n), zeros)
+
+
+@pytest.mark.gpu
+def test_plain_launch_with_float_argument(device, tmp_path, rng):
+    cubin, _ = compile_cubin(SCALE, device.arch, kernel="scale", cache_dir=tmp_path)
+    kernel = cuda.Kernel(device, cubin, "scale")
+    n = 1000
+    x = rng.standard_normal(n).astype(np.float32)
+    inp, out = device.upload(x), device.alloc(x.nbytes)
+    kernel.launch((n + 127) // 128, 128, [inp, out, 0.5, n], cooperative=False)
+    device.synchronize()
+    np.testing.assert_array_equal(out.download(np.float32, n), x * np.float32(0.5))
+    with pytest.raises(TypeError, match="kernel argument 2 is a str"):
+        kernel.launch(1, 128, [inp, out, "0.5", n], cooperative=False)
+
+
+@pytest.mark.gpu
+def test_unknown_kernel_name(device, tmp_path):
+    cubin, _ = compile_cubin(SCALE, device.arch, kernel="scale", cache_dir=tmp_path)
+    with pytest.raises(TargetError, match=r"cuModuleGetFunction\('nope'\) failed: CUDA_ERROR_NOT_FOUND"):
+        cuda.Kernel(device, cubin, "nope")
+
+
+@pytest.mark.gpu
+def test_time_kernel(device, two_stage):
+    threads = 256
+    grid = device.sms * two_stage.max_active_blocks_per_sm(threads)
+    n = 1 << 20
+    inp, out, out2 = device.alloc(4 * n), device.alloc(4 * n), device.alloc(4 * n)
+    times = cuda.time_kernel(lambda: two_stage.launch(grid, threads, [inp, out, out2, n]), device, warmup=2, repeat=7)
+    assert len(times) == 7
+    assert all(isinstance(t, float) and 0 < t < 1 for t in times)
