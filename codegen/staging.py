@@ -206,8 +206,9 @@ class _Stager(_Stitcher):
         stages = []
         for tensor in region.stages():
             if tensor.op not in placed:
-                placed[tensor.op] = self.arena.alloc(TensorSpec(tensor.op.name, tuple(int(d) for d in tensor.shape),
-                                                                str(tensor.dtype)))
+                spec = TensorSpec(name_of.get(tensor.op, tensor.op.name), tuple(int(d) for d in tensor.shape),
+                                  str(tensor.dtype))
+                placed[tensor.op] = self.arena.alloc(spec)
             staged, placeholders = isolate(tensor)
             reads = [placed[t.op] for t in tensor.op.input_tensors]
             label = f"{region.name}/{name_of.get(tensor.op, tensor.op.name)}"
