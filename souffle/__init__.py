@@ -1,7 +1,9 @@
-"""Souffle: compile a whole DNN into as few kernels as the hardware allows."""
+"""Souffle: compile a whole DNN into as few kernels as the hardware allows.
 
-from souffle import models
-from souffle.compiler import CompiledModel, Report, compile
+The compiler (TVM) is imported on first use, so ``souffle.runtime`` loads and launches a
+compiled kernel on a machine with only numpy and cuda-python.
+"""
+
 from souffle.errors import (
     GraphError,
     InputError,
@@ -12,6 +14,18 @@ from souffle.errors import (
     WeightError,
 )
 from souffle.graph import Graph, GraphBuilder, Op, Scan, TensorSpec
+
+_LAZY = {"compile": "souffle.compiler", "CompiledModel": "souffle.compiler", "Report": "souffle.compiler",
+         "models": "souffle.models"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(_LAZY[name])
+        return module if name == "models" else getattr(module, name)
+    raise AttributeError(f"module 'souffle' has no attribute {name!r}")
 
 __all__ = [
     "CompiledModel", "Graph", "GraphBuilder", "GraphError", "InputError", "Op", "Report", "Scan",

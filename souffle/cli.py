@@ -16,8 +16,16 @@ def _compile(args) -> int:
     import souffle
     from souffle import models
 
+    if args.emit_source and args.target != "cuda":
+        raise SouffleError(f"--emit-source writes CUDA source: it needs --target cuda, not {args.target!r}")
     graph = models.build(args.model, config=args.config, seed=args.seed)
-    compiled = souffle.compile(graph, target=args.target)
+    compiled = souffle.compile(graph, target=args.target, device=args.device, threads=args.threads)
+    if args.emit_source:
+        with open(args.emit_source, "w") as out:
+            out.write(compiled.source)
+    if args.no_run:
+        print(json.dumps(compiled.report().to_dict(), indent=2, default=str) if args.json else compiled.report())
+        return 0
     inputs = models.make_inputs(args.model, config=args.config, seed=args.seed)
     outputs = compiled.run(inputs)
     times = compiled.benchmark(inputs, repeat=args.repeat)
@@ -62,7 +70,13 @@ def _parser() -> argparse.ArgumentParser:
     compile_cmd = commands.add_parser("compile", help="compile a model, run it on seeded inputs, print the report")
     compile_cmd.add_argument("model", help=f"one of: {', '.join(MODELS)}")
     compile_cmd.add_argument("--config", default="tiny", help="tiny (tests) or paper (the paper's sizes)")
-    compile_cmd.add_argument("--target", default="llvm", help="llvm (CPU) or cuda")
+    compile_cmd.add_argument("--target", default="llvm",
+                             help="llvm (CPU), cuda (one persistent kernel; running needs a GPU), or "
+                                  "llvm-persistent (the CUDA kernel's stages run on the CPU)")
+    compile_cmd.add_argument("--device", default=None, help="GPU device model sizing the cuda grid: h200 (default) or a100")
+    compile_cmd.add_argument("--threads", type=int, default=None, help="threads per block of the persistent kernel (256)")
+    compile_cmd.add_argument("--emit-source", metavar="FILE", help="write the generated CUDA source to FILE (target cuda)")
+    compile_cmd.add_argument("--no-run", action="store_true", help="compile and print the report without running")
     compile_cmd.add_argument("--check", action="store_true", help="compare the outputs with the PyTorch reference")
     compile_cmd.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     compile_cmd.add_argument("--repeat", type=int, default=5, help="timed runs (the median is reported)")
