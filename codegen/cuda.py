@@ -87,7 +87,7 @@ def argument_order(source: str, staged: StagedProgram) -> list[str]:
     known = {b.name for b in staged.parameters()}
     order = []
     for _, name in kernel_signature(source):
-        base = name[:-4] if name.endswith("_ptr") else name
+        base = name.removesuffix("_ptr")
         if base not in known and base != GRID_PARAM:
             raise TargetError(f"kernel parameter {name!r} matches no buffer of the staged program")
         order.append(base)

@@ -10,7 +10,6 @@ import tvm
 from codegen.cpu_math import register_llvm_math
 from codegen.cpu_transforms import hoist_scan_projections, pack_weights
 from codegen.staging import Loop, StagedProgram, slot_views, tiled_stage
-from codegen.stitch import StitchedProgram
 from souffle.graph import Graph
 
 

@@ -29,11 +29,11 @@ import tvm
 from tvm import te, tirx
 
 from analysis.affine import Rewriter
-from analysis.dependence import access_relations, isl_name
+from analysis.dependence import access_relations
 from codegen.schedule import THREADS, StageSchedule, schedule_stage
 from codegen.stitch import BufferRef, _c_name, _Stitcher
 from souffle.graph import TensorSpec
-from souffle.lower import LoopRegion, Region, TEProgram
+from souffle.lower import Region, TEProgram
 
 ARENA_ALIGN = 16  # elements; 64 bytes of float32, one cache line
 
@@ -74,6 +74,7 @@ class StagedProgram:
     output_buffers: list[tirx.Buffer]
     outputs: list[TensorSpec]
     threads: int
+    weight_sources: dict[str, list[str]] = field(default_factory=dict)  # weight -> model weights (several: stacked)
     slots: dict = field(default_factory=dict)  # slot buffer -> (dtype, elements)
     slot_offsets: dict = field(default_factory=dict)  # slot buffer -> element offset in its arena
     arena_sizes: dict[str, int] = field(default_factory=dict)  # dtype -> elements
@@ -104,8 +105,9 @@ class StagedProgram:
 
     def table(self) -> str:
         """One line per stage: its tiling and why a barrier precedes it."""
-        lines = [f"staged program {self.name}: {self.stage_count()} stages, {self.barrier_count()} grid barriers "
-                 f"({self.barrier_count(executed=True)} executed), arena {self.arena_bytes / 1e6:.3f} MB"]
+        head = (f"staged program {self.name}: {self.stage_count()} stages, {self.barrier_count()} grid barriers "
+                f"({self.barrier_count(executed=True)} executed), arena {self.arena_bytes / 1e6:.3f} MB")
+        lines = [head]
 
         def emit(items, depth):
             for item in items:
@@ -231,7 +233,8 @@ def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS) -> Stag
     items, inputs, outputs = stager.whole(program)
     weights, weight_buffers = stager.weights()
     staged = StagedProgram(program.graph.name, items, inputs, weights, weight_buffers, outputs,
-                           program.graph.output_specs(), threads, slots=dict(stager.arena.slots))
+                           program.graph.output_specs(), threads, slots=dict(stager.arena.slots),
+                           weight_sources={spec.name: stager.stacks.get(spec.name, [spec.name]) for spec, _ in weights})
     names = [b.name for b in staged.parameters()]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
@@ -267,9 +270,9 @@ def _same_memory(earlier: _Access, ref: BufferRef) -> str:
     a = earlier.ref
     if not a.base.same_as(ref.base):
         return "disjoint"
-    if isinstance(a.offset, int) and isinstance(ref.offset, int):
-        if a.offset + a.spec.size <= ref.offset or ref.offset + ref.spec.size <= a.offset:
-            return "disjoint"
+    if isinstance(a.offset, int) and isinstance(ref.offset, int) and \
+            (a.offset + a.spec.size <= ref.offset or ref.offset + ref.spec.size <= a.offset):
+        return "disjoint"
     if a.spec.size == ref.spec.size and _offsets_equal(a.offset, ref.offset) and not _mentions(a.offset, earlier.stale):
         return "same"
     return "unknown"
@@ -455,7 +458,7 @@ def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr) -> tirx
     root = realize.block
     tile_loop = root.body
     if not isinstance(tile_loop, tirx.For):
-        raise ValueError(f"stage {stage.name}: the tile loop must be the root block's only statement")
+        raise TypeError(f"stage {stage.name}: the tile loop must be the root block's only statement")
     dtype = str(tile_loop.loop_var.ty.dtype)
     block, grid = (x if str(x.ty.dtype) == dtype else tirx.Cast(dtype, x) for x in (block, grid))
     t = tirx.Var("t", dtype)

@@ -89,6 +89,7 @@ class _Stitcher:
         self.scheduler = scheduler
         self.arena = arena if arena is not None else Arena()
         self.weight_values: dict[str, np.ndarray] = dict(graph.weights or {})
+        self.stacks: dict[str, list[str]] = {}  # a stacked weight -> the model weights it stacks
         self.weight_buffers: dict[str, tirx.Buffer] = {}
         self.region_count = 0
         self.loop_count = 0
@@ -180,6 +181,7 @@ class _Stitcher:
                 )
             if stacked_name not in self.weight_values:
                 self.weight_values[stacked_name] = np.stack([self.weight_values[n] for n in names])
+                self.stacks[stacked_name] = list(names)
             stacked = self.weight_ref(stacked_name, spec)
             body_refs[body_param] = BufferRef(stacked.base, i * spec.size, spec)
         for body_out, seq in scan.ys:

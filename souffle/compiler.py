@@ -172,7 +172,7 @@ class CompiledModel:
         return report
 
 
-def compile(graph: Graph, target: str = "llvm", device: str | None = None,  # noqa: A001 (the public name)
+def compile(graph: Graph, target: str = "llvm", device: str | None = None,
             threads: int | None = None) -> CompiledModel:
     """Compile a whole model for ``target``.
 

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from souffle.compiler import CompiledModel, Report, _timed
 from souffle.errors import TargetError
+from souffle.runtime.artifact import KernelArtifact, Launcher, TensorSlot
 
 
 def build_cuda(graph, program, staged, device: str | None, seconds: dict[str, float]) -> CudaModel:
     from analysis.device import get_device
-    from codegen.cuda import argument_order, co_resident_grid, cuda_source, persistent_kernel
+    from codegen.cuda import (
+        argument_order,
+        co_resident_grid,
+        cuda_source,
+        persistent_kernel,
+    )
     from souffle.runtime.cuda import compile_cubin
 
     model = get_device(device or "h200")
@@ -45,59 +51,44 @@ class CudaModel(CompiledModel):
         self.kernel_count = kernel_count(source)
         self._gpu = None
 
-    def _launcher(self):
-        """Device, kernel, resident weights and arenas, and the grid: made once, on first use."""
-        if self._gpu is None:
-            from souffle.runtime import cuda as rt
+    def artifact(self, config: str | None = None, seed: int = 0, archs: tuple[str, ...] = ()) -> KernelArtifact:
+        """The kernel as a TVM-free artifact (``souffle.runtime.artifact``), with cubins for
+        ``archs`` besides the device model's; ``config`` and ``seed`` name the model's own
+        weights (when the graph came from ``souffle.models``) so the artifact need not carry them."""
+        from souffle.runtime.cuda import compile_cubin
 
-            device = rt.Device()
-            cubin = self.cubin if device.arch == self.device_model.arch else rt.compile_cubin(self.source, device.arch)[0]
-            kernel = rt.Kernel(device, cubin)
-            staged = self.plan
-            grid = min(device.sms * kernel.max_active_blocks_per_sm(staged.threads), staged.max_tiles)
-            if grid < 1:
-                raise TargetError(f"{device.name}: the kernel cannot be resident (0 blocks per SM)")
-            resident = {b.name: device.upload(value.reshape(-1))
-                        for b, (_, value) in zip(staged.weight_buffers, staged.weights)}
-            for dtype, buffer in staged.arena_buffers.items():
-                resident[buffer.name] = device.alloc(max(staged.arena_sizes[dtype], 1) * _itemsize(dtype))
-            self._gpu = (device, kernel, grid, resident)
-        return self._gpu
-
-    def _launch_arguments(self, inputs: dict):
-        device, kernel, grid, resident = self._launcher()
         staged = self.plan
-        by_name = dict(resident)
-        for buffer, array in zip(staged.input_buffers, self._checked_inputs(inputs)):
-            by_name[buffer.name] = device.upload(array)
-        outputs = []
-        for buffer, spec in zip(staged.output_buffers, staged.outputs):
-            by_name[buffer.name] = device.alloc(spec.size * _itemsize(spec.dtype))
-            outputs.append((by_name[buffer.name], spec))
-        args = [grid if name == "grid_size" else by_name[name] for name in self.argument_order]
-        return device, kernel, grid, args, outputs
+        cubins = {self.device_model.arch: self.cubin}
+        cubins.update({arch: compile_cubin(self.source, arch)[0] for arch in archs if arch not in cubins})
+        return KernelArtifact(
+            model=self.graph.name, config=config, seed=seed, threads=staged.threads, max_tiles=staged.max_tiles,
+            argument_order=list(self.argument_order),
+            inputs=[TensorSlot(s.name, b.name, tuple(s.shape), s.dtype) for s, b in zip(self.graph.inputs, staged.input_buffers)],
+            outputs=[TensorSlot(s.name, b.name, tuple(s.shape), s.dtype) for s, b in zip(staged.outputs, staged.output_buffers)],
+            weights=[{"buffer": b.name, "sources": staged.weight_sources[spec.name], "shape": list(spec.shape),
+                      "dtype": spec.dtype} for b, (spec, _) in zip(staged.weight_buffers, staged.weights)],
+            arenas={buffer.name: (dtype, staged.arena_sizes[dtype]) for dtype, buffer in staged.arena_buffers.items()},
+            source=self.source, cubins=cubins)
+
+    def _launcher(self) -> Launcher:
+        if self._gpu is None:
+            self._gpu = Launcher(self.artifact(), model_weights=self.graph.weights)
+            self.grid = self._gpu.grid
+        return self._gpu
 
     def run(self, inputs: dict):
         import time
 
-        device, kernel, grid, args, outputs = self._launch_arguments(inputs)
+        launcher = self._launcher()
+        arrays = self._checked_inputs(inputs)
         start = time.perf_counter()
-        kernel.launch(grid, self.plan.threads, args)
-        device.synchronize()
+        outputs = launcher.run(arrays)
         self._last_run = time.perf_counter() - start
-        return [buffer.download(spec.dtype, spec.shape) for buffer, spec in outputs]
+        return outputs
 
     def benchmark(self, inputs: dict, repeat: int = 50, number: int = 1, warmup: int = 5) -> list[float]:
         """Seconds per inference from CUDA events, ``repeat`` runs after ``warmup``."""
-        from souffle.runtime.cuda import time_kernel
-
-        device, kernel, grid, args, _ = self._launch_arguments(inputs)
-
-        def run():
-            for _ in range(number):
-                kernel.launch(grid, self.plan.threads, args)
-
-        return [t / number for t in time_kernel(run, device, warmup=warmup, repeat=repeat)]
+        return self._launcher().benchmark(self._checked_inputs(inputs), repeat=repeat, warmup=warmup)
 
     def report(self) -> Report:
         report = super().report()
@@ -106,9 +97,3 @@ class CudaModel(CompiledModel):
                                 f"{r.shared_bytes} B shared memory, {r.spill_bytes} B spilled")
         report.extra["co-residency"] = str(self.occupancy)
         return report
-
-
-def _itemsize(dtype: str) -> int:
-    import numpy as np
-
-    return np.dtype(dtype).itemsize

@@ -1,0 +1,124 @@
+"""The persistent CUDA kernel: one ``__global__`` per model, built by nvcc for sm_80 and sm_90,
+co-resident on the A100 and H200 device models; the grid-size rules; behaviour without a GPU;
+the TVM-free kernel artifact. Running on a GPU is tests/test_gpu.py."""
+
+import numpy as np
+import pytest
+
+import souffle
+from analysis.device import get_device
+from codegen.cuda import (
+    argument_order,
+    co_resident_grid,
+    kernel_count,
+    kernel_signature,
+)
+from souffle import models
+from souffle.errors import TargetError
+from souffle.runtime.artifact import KernelArtifact
+from souffle.runtime.cuda import compile_cubin, gpu_available
+
+CONFIGS = [(name, config) for config in ("tiny", "paper") for name in models.MODELS]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Each model and config compiled once for target cuda (H200 model, sm_90)."""
+    cache = {}
+
+    def get(name, config):
+        if (name, config) not in cache:
+            cache[name, config] = souffle.compile(models.build(name, config), target="cuda")
+        return cache[name, config]
+
+    return get
+
+
+@pytest.mark.parametrize("name,config", CONFIGS)
+def test_one_kernel_that_builds_and_is_co_resident(compiled, name, config):
+    model = compiled(name, config)
+    assert model.kernel_count == 1
+    assert kernel_count(model.source) == 1
+    assert "cg::this_grid().sync()" in model.source or model.plan.barrier_count() == 0
+    assert model.cubin[:4] == b"\x7fELF"
+    h200 = co_resident_grid(model.resources.registers, model.resources.shared_bytes, get_device("h200"))
+    assert h200.grid == model.occupancy.grid >= 132
+    cubin, sm80 = compile_cubin(model.source, "sm_80")
+    assert cubin[:4] == b"\x7fELF" and sm80.arch == "sm_80"
+    a100 = co_resident_grid(sm80.registers, sm80.shared_bytes, get_device("a100"))
+    assert a100.grid >= 108
+    assert 1 <= model.grid <= h200.grid
+
+
+def test_grid_sync_only_where_the_staging_put_barriers(compiled):
+    model = compiled("lstm", "tiny")
+    assert model.source.count("tvm_builtin_cuda_grid_sync();") == model.plan.barrier_count()
+
+
+def test_occupancy_follows_the_cuda_rules():
+    h200 = get_device("h200")
+    # 32 registers x 256 threads = 8192 per block: 8 blocks by registers, 8 by threads (2048/256).
+    assert co_resident_grid(32, 0, h200).blocks_per_sm == 8
+    # 128 registers: 32768 per block, 2 blocks.
+    occupancy = co_resident_grid(128, 0, h200)
+    assert occupancy.blocks_per_sm == 2 and occupancy.limiter == "registers" and occupancy.grid == 264
+    # 100 KiB of shared memory: (228 KiB) // (100 KiB + 1 KiB reserved) = 2 blocks.
+    assert co_resident_grid(32, 100 * 1024, h200).limits["shared memory"] == 2
+    # registers are allocated per warp in units of 256: 33 registers cost 40 per thread.
+    assert co_resident_grid(33, 0, h200).limits["registers"] == 65536 // (40 * 256)
+
+
+def test_a_kernel_that_cannot_be_resident_is_refused_with_numbers():
+    with pytest.raises(TargetError, match=r"cannot be co-resident on h200: 255 registers x 1024 threads = 262144 "
+                                          r"registers per block > 65536"):
+        co_resident_grid(255, 0, get_device("h200"), threads=1024)
+    with pytest.raises(TargetError, match=r"240000 bytes of shared memory per block > 232448"):
+        co_resident_grid(32, 240_000, get_device("h200"))
+
+
+def test_kernel_arguments_are_matched_by_name(compiled):
+    model = compiled("mmoe", "tiny")
+    order = argument_order(model.source, model.plan)
+    names = {b.name for b in model.plan.parameters()} | {"grid_size"}
+    assert sorted(order) == sorted(names)
+    assert kernel_signature(model.source)[-1] == ("int", "grid_size")
+
+
+def test_unknown_device_model_and_bad_threads_are_refused():
+    graph = models.build("mmoe", "tiny")
+    with pytest.raises(TargetError, match="needs a GPU device model"):
+        souffle.compile(graph, target="cuda", device="cpu")
+    with pytest.raises(souffle.SouffleError, match="unknown device 'v100'"):
+        souffle.compile(graph, target="cuda", device="v100")
+    with pytest.raises(TargetError, match="threads must be a multiple of 32"):
+        souffle.compile(graph, target="cuda", threads=100)
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the behaviour on a machine without a GPU")
+def test_without_a_gpu_the_source_works_and_running_says_why(compiled):
+    model = compiled("mmoe", "tiny")
+    assert "__global__" in model.source
+    assert "co-residency" in str(model.report())
+    with pytest.raises(TargetError, match="needs an NVIDIA GPU and driver"):
+        model(**models.make_inputs("mmoe", "tiny"))
+
+
+def test_artifact_round_trip_rebuilds_the_weights(compiled, tmp_path):
+    model = compiled("lstm", "tiny")
+    artifact = model.artifact(config="tiny", seed=0)
+    loaded = KernelArtifact.load(artifact.save(tmp_path / "lstm"))
+    assert loaded == artifact
+    arrays = loaded.weight_arrays()  # from the model's seeded initialisation, not from the files
+    assert [w["buffer"] for w in loaded.weights] == [b.name for b in model.plan.weight_buffers]
+    for buffer, (_, value) in zip(model.plan.weight_buffers, model.plan.weights):
+        np.testing.assert_array_equal(arrays[buffer.name], value.reshape(-1))
+    assert any(len(w["sources"]) > 1 for w in loaded.weights)  # per-layer weights are stacked
+
+
+def test_artifact_refuses_weights_of_the_wrong_shape(compiled):
+    artifact = compiled("mmoe", "tiny").artifact()
+    weights = dict(models.build("mmoe", "tiny").weights)
+    first = artifact.weights[0]["sources"][0]
+    weights[first] = np.zeros((3, 3), "float32")
+    with pytest.raises(souffle.SouffleError, match=f"weight {artifact.weights[0]['buffer']!r}: expected"):
+        artifact.weight_arrays(weights)
