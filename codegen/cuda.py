@@ -60,8 +60,14 @@ def cuda_target(arch: str) -> tvm.target.Target:
 
 
 def cuda_source(func: tirx.PrimFunc, arch: str) -> str:
-    """TVM's CUDA code for the kernel (no GPU needed: TVM emits source, nvcc compiles it later)."""
-    executable = tvm.compile(tvm.IRModule({"main": func}), target=cuda_target(arch))
+    """TVM's CUDA code for the kernel (no GPU needed: TVM emits source, nvcc compiles it later).
+
+    ``tirx.merge_static_smem`` makes TVM pool the stages' shared-memory buffers by liveness
+    (the kernel needs the most any stage needs, not the sum); its TVM 0.27 implementation
+    fails on a block-wide all-reduce, which is why reductions stay within a warp.
+    """
+    with tvm.transform.PassContext(config={"tirx.merge_static_smem": True}):
+        executable = tvm.compile(tvm.IRModule({"main": func}), target=cuda_target(arch))
     return executable.mod.imports[0].inspect_source()
 
 

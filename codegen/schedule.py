@@ -1,7 +1,8 @@
 """Per-stage schedules for the persistent kernel: one template per stage shape.
 
-Every stage of the persistent kernel runs on the same thread block (``THREADS`` threads along
-``threadIdx.x``) and covers its output in ``n_tiles`` tiles; a tile is a contiguous run of
+Every stage of the persistent kernel runs on the same thread block (``THREADS`` threads: warps
+of 32 along ``threadIdx.x``, ``THREADS / 32`` warps along ``threadIdx.y``) and covers its
+output in ``n_tiles`` tiles; a tile is a contiguous run of
 ``per_tile`` elements of the row-major output, so which tile wrote an element is
 ``floor(flat_index / per_tile)`` — the map ``codegen.staging`` uses to decide where a grid
 barrier is needed. The tile loop is the outermost loop of the stage (bound to ``blockIdx.x`` on
@@ -12,9 +13,10 @@ Templates, chosen from the block's iterators (never from an op's name):
 
 - ``elementwise``: no reduction. The output is walked in tiles of ``unroll x THREADS``
   elements, consecutive threads on consecutive elements (coalesced).
-- ``block_reduce``: few outputs, long reductions (softmax and norm statistics, a GEMV):
-  one output per tile, the reduction split across the block's threads and combined by TVM's
-  cross-thread all-reduce (warp shuffles, a few words of shared memory).
+- ``warp_reduce``: few outputs, long reductions (softmax and norm statistics, a GEMV):
+  one output per warp, its reduction split across the warp's 32 lanes (coalesced reads) and
+  combined by TVM's cross-thread all-reduce, which for one warp is register shuffles only —
+  no shared memory and no block-wide synchronization.
 - ``thread_reduce``: enough outputs to give every thread of the grid its own (GEMMs,
   convolutions): one output per thread, ``THREADS`` per tile, the reduction serial.
 
@@ -30,7 +32,8 @@ from functools import reduce as _fold
 from tvm import s_tir, tirx
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
-BLOCK_REDUCE_MIN_EXTENT = 64  # shorter reductions leave most of a block's threads idle
+WARP = 32
+WARP_REDUCE_MIN_EXTENT = 64  # shorter reductions leave most of a warp's lanes idle
 GRID_WAVE = 132 * 2  # tiles that keep a full GPU busy (H200: 132 SMs, two blocks each)
 
 
@@ -74,8 +77,8 @@ def choose_template(spatial: int, reduction: int, threads: int = THREADS) -> str
     """The template for a block with ``spatial`` outputs and ``reduction`` terms per output."""
     if reduction == 1:
         return "elementwise"
-    if reduction >= BLOCK_REDUCE_MIN_EXTENT and spatial < GRID_WAVE * threads:
-        return "block_reduce"
+    if reduction >= WARP_REDUCE_MIN_EXTENT and spatial < GRID_WAVE * threads:
+        return "warp_reduce"
     return "thread_reduce"
 
 
@@ -95,19 +98,22 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS) -> tu
     reduction = _product(_extent(sch, loop) for loop in reduce_loops)
     template = choose_template(outputs, reduction, threads)
     fused = sch.fuse(*spatial_loops) if len(spatial_loops) > 1 else (spatial_loops[0] if spatial_loops else sch.add_unit_loop(block))
+    warps = threads // WARP
     if template == "elementwise":
         unroll = 4 if outputs >= 4 * threads * GRID_WAVE else 1
-        tile, _, thread = sch.split(fused, [None, unroll, threads])
+        tile, _, warp, lane = sch.split(fused, [None, unroll, warps, WARP])
         per_tile = unroll * threads
-    elif template == "block_reduce":
-        tile, per_tile = fused, 1
+    elif template == "warp_reduce":
+        tile, warp = sch.split(fused, [None, warps])
+        per_tile = warps
         r = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
-        _, thread = sch.split(r, [None, threads])
+        _, lane = sch.split(r, [None, WARP])
     else:
-        tile, thread = sch.split(fused, [None, threads])
+        tile, warp, lane = sch.split(fused, [None, warps, WARP])
         per_tile = threads
     if gpu:
         sch.bind(tile, "blockIdx.x")
-        sch.bind(thread, "threadIdx.x")
+        sch.bind(warp, "threadIdx.y")
+        sch.bind(lane, "threadIdx.x")
     n_tiles = -(-outputs // per_tile)
     return sch.mod["main"], StageSchedule(template, n_tiles, per_tile, threads, outputs)

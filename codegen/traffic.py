@@ -81,13 +81,14 @@ class Traffic:
 
     def table(self) -> str:
         """A summary line, then one row per stage (bytes per execution and per inference)."""
-        lines = [f"memory traffic {self.name} (upper bound): read {self.read_bytes / 1e6:.3f} MB, "
-                 f"written {self.write_bytes / 1e6:.3f} MB, compulsory {self.compulsory_bytes / 1e6:.3f} MB, "
-                 f"{len(self.stages)} stages ({self.stages_executed} executed); ~ marks an over-approximated read",
-                 f"  {'stage':<48} {'runs':>6} {'read B/run':>12} {'written B/run':>13} {'read B':>14} {'written B':>14}"]
+        summary = (f"memory traffic {self.name} (upper bound): read {self.read_bytes:,} B, written {self.write_bytes:,} B, "
+                   f"compulsory {self.compulsory_bytes:,} B; {len(self.stages)} stages ({self.stages_executed} executed)")
+        header = (f"  {'stage (loops: name; ~ over-approximated read)':<56} {'runs':>6} {'read B/run':>12} "
+                  f"{'written B/run':>13} {'read B':>14} {'written B':>14}")
+        lines = [summary, header]
         for s in self.stages:
-            name = "/".join(s.loops + (s.name,)) + ("" if s.exact else " ~")
-            lines.append(f"  {name:<48} {s.executions:>6} {s.bytes_read:>12,} {s.bytes_written:>13,} "
+            name = (f"{'/'.join(s.loops)}: " if s.loops else "") + s.name + ("" if s.exact else " ~")
+            lines.append(f"  {name:<56} {s.executions:>6} {s.bytes_read:>12,} {s.bytes_written:>13,} "
                          f"{s.total_read:>14,} {s.total_written:>14,}")
         return "\n".join(lines)
 

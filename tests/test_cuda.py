@@ -2,19 +2,27 @@
 co-resident on the A100 and H200 device models; the grid-size rules; behaviour without a GPU;
 the TVM-free kernel artifact. Running on a GPU is tests/test_gpu.py."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+from tvm import s_tir
 
 import souffle
 from analysis.device import get_device
 from codegen.cuda import (
     argument_order,
     co_resident_grid,
+    cuda_source,
     kernel_count,
     kernel_signature,
+    persistent_kernel,
 )
 from souffle import models
+from souffle.compiler import staged_program
 from souffle.errors import TargetError
+from souffle.graph import GraphBuilder
+from souffle.lower import lower_graph
 from souffle.runtime.artifact import KernelArtifact
 from souffle.runtime.cuda import compile_cubin, gpu_available
 
@@ -122,3 +130,21 @@ def test_artifact_refuses_weights_of_the_wrong_shape(compiled):
     weights[first] = np.zeros((3, 3), "float32")
     with pytest.raises(souffle.SouffleError, match=f"weight {artifact.weights[0]['buffer']!r}: expected"):
         artifact.weight_arrays(weights)
+
+
+def test_shared_memory_is_pooled_across_stages():
+    """Two stages each staging a 1 KiB tile in shared memory need 1 KiB, not 2: TVM pools
+    the kernel's shared buffers by liveness."""
+    b = GraphBuilder("two")
+    y = b.op("relu", b.input("x", (64, 256)), name="y")
+    staged = staged_program(lower_graph(b.build(b.op("tanh", y, name="z"))), True, 256)
+
+    def staged_through_shared(stage):
+        sch = s_tir.Schedule(stage.func)
+        block = sch.get_child_blocks(sch.get_sblock("root"))[0]
+        sch.compute_at(sch.cache_read(block, 0, "shared"), sch.get_loops(block)[0])
+        return dataclasses.replace(stage, func=sch.mod["main"])
+
+    staged.items = [staged_through_shared(stage) for stage in staged.items]
+    source = cuda_source(persistent_kernel(staged), "sm_90")
+    assert compile_cubin(source, "sm_90")[1].shared_bytes == 256 * 4

@@ -6,7 +6,14 @@ import pytest
 
 import souffle
 from codegen import llvm
-from codegen.staging import Loop, _live_ranges, place_barriers, plan_arena, same_block, stage_program
+from codegen.staging import (
+    Loop,
+    _live_ranges,
+    place_barriers,
+    plan_arena,
+    same_block,
+    stage_program,
+)
 from souffle import models
 from souffle.graph import GraphBuilder
 from souffle.lower import lower_graph
@@ -125,4 +132,4 @@ def test_table_lists_stages_and_barrier_reasons():
     assert text.splitlines()[0].startswith("staged program mlp: 4 stages, 1 grid barriers (1 executed)")
     assert "-- grid barrier: reads h written by mlp_r0/h in other blocks" in text
     assert "mlp_r0/xw: thread_reduce 8 tiles x 32 elements, 32 threads" in text
-    assert "mlp_r0/y: block_reduce 256 tiles x 1 elements, 32 threads" in text
+    assert "mlp_r0/y: warp_reduce 256 tiles x 1 elements, 32 threads" in text

@@ -128,7 +128,8 @@ class Launcher:
         return [self.grid if name == "grid_size" else by_name[name] for name in self.artifact.argument_order], outputs
 
     def launch(self, args) -> None:
-        self.kernel.launch(self.grid, self.artifact.threads, args)
+        """One inference: warps of 32 along x, the block's warps along y (``codegen.schedule``)."""
+        self.kernel.launch(self.grid, (32, self.artifact.threads // 32, 1), args)
 
     def run(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
         args, outputs = self.arguments(inputs)

@@ -351,8 +351,10 @@ class Kernel:
             "cuOccupancyMaxActiveBlocksPerMultiprocessor",
         )
 
-    def launch(self, grid: int, threads: int, args: list, cooperative: bool = True, stream=None) -> None:
-        """Launch on a 1-D grid of ``grid`` blocks of ``threads`` threads; asynchronous.
+    def launch(self, grid: int, threads: int | tuple[int, ...], args: list, cooperative: bool = True,
+               stream=None) -> None:
+        """Launch on a 1-D grid of ``grid`` blocks of ``threads`` threads (an int, or the block's
+        (x, y, z) shape); asynchronous.
 
         ``args`` are DeviceBuffers (passed as pointers), ints (int32) and floats (float32), in
         the kernel's parameter order. A cooperative launch (needed for grid-wide sync) is
@@ -360,6 +362,8 @@ class Kernel:
         """
         cu = self.device._current()
         params = _kernel_params(args)
+        bx, by, bz = (tuple(threads) + (1, 1))[:3] if isinstance(threads, tuple) else (threads, 1, 1)
+        threads = bx * by * bz
         if cooperative:
             if not self.device.cooperative_launch:
                 raise TargetError(f"{self.device.name} does not support cooperative launches")
@@ -370,9 +374,9 @@ class Kernel:
                     f"grid of {grid} blocks cannot be co-resident: "
                     f"{self.device.sms} SMs x {per_sm} blocks/SM = {limit}"
                 )
-            result = cu.cuLaunchCooperativeKernel(self.function, grid, 1, 1, threads, 1, 1, 0, stream, params)
+            result = cu.cuLaunchCooperativeKernel(self.function, grid, 1, 1, bx, by, bz, 0, stream, params)
         else:
-            result = cu.cuLaunchKernel(self.function, grid, 1, 1, threads, 1, 1, 0, stream, params, 0)
+            result = cu.cuLaunchKernel(self.function, grid, 1, 1, bx, by, bz, 0, stream, params, 0)
         kind = "cooperative launch" if cooperative else "launch"
         _check(result, f"{kind} of {self.name!r} ({grid} blocks x {threads} threads)")
 
