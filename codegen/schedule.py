@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import reduce as _fold
 
+import tvm
 from tvm import s_tir, tirx
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
@@ -46,9 +47,11 @@ class StageSchedule:
     per_tile: int  # output elements per tile, contiguous in the row-major output
     threads: int
     outputs: int  # output elements
+    shared_bytes: int  # shared memory the stage allocates per block
 
     def __str__(self):
-        return f"{self.template} {self.n_tiles} tiles x {self.per_tile} elements, {self.threads} threads"
+        shared = f", {self.shared_bytes} B shared" if self.shared_bytes else ""
+        return f"{self.template} {self.n_tiles} tiles x {self.per_tile} elements, {self.threads} threads{shared}"
 
 
 class ScheduleError(ValueError):
@@ -116,4 +119,13 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS) -> tu
         sch.bind(warp, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
     n_tiles = -(-outputs // per_tile)
-    return sch.mod["main"], StageSchedule(template, n_tiles, per_tile, threads, outputs)
+    return sch.mod["main"], StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch))
+
+
+def _shared_bytes(sch: s_tir.Schedule) -> int:
+    """Bytes of the shared-memory buffers the schedule allocates (TVM pools them across stages)."""
+    total = 0
+    for buffer in sch.get(sch.get_sblock("root")).alloc_buffers:
+        if buffer.scope().startswith("shared"):
+            total += _product(int(d) for d in buffer.shape) * tvm.runtime.DataType(buffer.dtype).bits // 8
+    return total
