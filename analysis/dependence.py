@@ -58,7 +58,7 @@ class _Aff:
     value: int | None = None
 
 
-class _IslWriter:
+class IslWriter:
     """Writes TE index expressions and conditions in isl syntax over named axes."""
 
     def __init__(self, axes: list[tuple[tirx.Var, str]]):
@@ -208,7 +208,7 @@ def _bounds(axes) -> tuple[list[str], list[str]]:
     A reduction's bounds may be affine in the spatial axes, which isl holds exactly; any other
     bound (adaptive pooling's ceil-division windows) is widened to its largest value.
     """
-    writer = _IslWriter([(ax.var, name) for ax, name in axes])
+    writer = IslWriter([(ax.var, name) for ax, name in axes])
     analyzer = tvm.sym.Analyzer()
     for ax, _ in axes:
         analyzer.bind(ax.var, ax.dom)
@@ -262,7 +262,7 @@ class AccessRelation:
 def access_relations(stage: te.Tensor) -> dict[te.Operation, AccessRelation]:
     """For each tensor the TE reads (keyed by its operation): the union of its load sites' relations."""
     axes = stage_axes(stage)
-    writer = _IslWriter([(ax.var, name) for ax, name in axes])
+    writer = IslWriter([(ax.var, name) for ax, name in axes])
     domain_names = ", ".join(n for _, n in axes)
     domain_bounds, widened = _bounds(axes)
     sname = isl_name(stage.op.name)

@@ -19,7 +19,7 @@ from tvm import tirx
 
 from analysis.device import DeviceModel
 from codegen.schedule import THREADS
-from codegen.staging import Loop, Stage, StagedProgram, slot_views, tiled_stage
+from codegen.staging import Loop, Stage, StagedProgram, seq, slot_views, tiled_stage
 from souffle.errors import TargetError
 
 KERNEL_NAME = "main_kernel"
@@ -36,8 +36,10 @@ def _statements(items: list, block: tirx.Var, grid: tirx.Var) -> list[tirx.Stmt]
     stmts: list[tirx.Stmt] = []
     for item in items:
         if isinstance(item, Loop):
+            if item.barrier is not None:
+                stmts.append(_grid_sync())
             stmts.append(tirx.For(item.var, 0, item.trips, tirx.ForKind.SERIAL,
-                                  tirx.SeqStmt(_statements(item.items, block, grid))))
+                                  seq(_statements(item.items, block, grid))))
             continue
         if item.barrier is not None:
             stmts.append(_grid_sync())
@@ -49,7 +51,7 @@ def persistent_kernel(staged: StagedProgram) -> tirx.PrimFunc:
     """The whole staged program as one PrimFunc with one ``blockIdx.x`` binding."""
     block = tirx.Var("block", "int32")
     grid = tirx.Var(GRID_PARAM, "int32")
-    body = tirx.SeqStmt(slot_views(staged) + _statements(staged.items, block, grid))
+    body = seq(slot_views(staged) + _statements(staged.items, block, grid))
     binding = tirx.IterVar(tvm.ir.Range(0, grid), block, tirx.IterVar.ThreadIndex, "blockIdx.x")
     loop = tirx.For(block, 0, grid, tirx.ForKind.THREAD_BINDING, body, thread_binding=binding)
     return tirx.PrimFunc(staged.parameters() + [grid], loop).with_attr("global_symbol", "main")

@@ -9,7 +9,7 @@ import tvm
 
 from codegen.cpu_math import register_llvm_math
 from codegen.cpu_transforms import hoist_scan_projections, pack_weights
-from codegen.staging import Loop, StagedProgram, slot_views, tiled_stage
+from codegen.staging import Loop, StagedProgram, seq, slot_views, tiled_stage
 from souffle.graph import Graph
 
 
@@ -49,6 +49,9 @@ def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
     ``block, block + grid, ...`` of every stage in that stretch; a barrier ends the stretch.
     A stage that reads another block's result without a barrier before it therefore reads
     memory that block has not written yet, as on the GPU — the CPU tests catch a missing barrier.
+    Loop iterations, though, run one after another for all blocks, so a barrier missing at an
+    iteration boundary goes unnoticed here; ``place_barriers`` analyses the next iteration
+    for exactly that, and the GPU tests run it for real.
     """
     from tvm import tirx
 
@@ -58,14 +61,14 @@ def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
         def close():
             if run:
                 block = tirx.Var("block", "int32")
-                body = tirx.SeqStmt([tiled_stage(stage, block, tirx.const(grid, "int32")) for stage in run])
+                body = seq([tiled_stage(stage, block, tirx.const(grid, "int32")) for stage in run])
                 stmts.append(tirx.For(block, 0, grid, tirx.ForKind.SERIAL, body))
                 run.clear()
 
         for item in items:
             if isinstance(item, Loop):
                 close()
-                stmts.append(tirx.For(item.var, 0, item.trips, tirx.ForKind.SERIAL, tirx.SeqStmt(phases(item.items))))
+                stmts.append(tirx.For(item.var, 0, item.trips, tirx.ForKind.SERIAL, seq(phases(item.items))))
                 continue
             if item.barrier is not None:
                 close()
@@ -73,5 +76,5 @@ def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
         close()
         return stmts
 
-    body = tirx.SeqStmt(slot_views(staged) + phases(staged.items))
+    body = seq(slot_views(staged) + phases(staged.items))
     return tirx.PrimFunc(staged.parameters(), body).with_attr("global_symbol", "main")

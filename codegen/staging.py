@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 
 import islpy as isl
 import numpy as np
-import tvm
 from tvm import te, tirx
 
 from analysis.affine import Rewriter
-from analysis.dependence import access_relations
+from analysis.dependence import IslWriter, NotAffine, access_relations
 from codegen.schedule import THREADS, StageSchedule, schedule_stage
 from codegen.stitch import BufferRef, _c_name, _Stitcher
 from souffle.graph import TensorSpec
@@ -60,6 +59,7 @@ class Loop:
     var: tirx.Var
     trips: int
     items: list
+    barrier: str | None = None  # why a grid barrier precedes the loop; None: no barrier
 
 
 @dataclass
@@ -93,7 +93,7 @@ class StagedProgram:
         return _count(self.items, lambda s: s.barrier is not None, executed)
 
     def stage_count(self, executed: bool = False) -> int:
-        return _count(self.items, lambda s: True, executed)
+        return _count(self.items, lambda s: isinstance(s, Stage), executed)
 
     @property
     def max_tiles(self) -> int:
@@ -112,12 +112,12 @@ class StagedProgram:
         def emit(items, depth):
             for item in items:
                 pad = "  " * depth
+                if item.barrier:
+                    lines.append(f"{pad}-- grid barrier: {item.barrier}")
                 if isinstance(item, Loop):
                     lines.append(f"{pad}loop {item.name} x{item.trips}:")
                     emit(item.items, depth + 1)
                     continue
-                if item.barrier:
-                    lines.append(f"{pad}-- grid barrier: {item.barrier}")
                 lines.append(f"{pad}{item.name}: {item.schedule}")
 
         emit(self.items, 1)
@@ -135,12 +135,13 @@ def _walk(items):
 
 
 def _count(items, predicate, executed: bool) -> int:
+    """Items (stages, or loops for their own barrier) satisfying ``predicate``, loop bodies
+    counted once or, ``executed``, once per trip."""
     total = 0
     for item in items:
         if isinstance(item, Loop):
             total += _count(item.items, predicate, executed) * (item.trips if executed else 1)
-        elif predicate(item):
-            total += 1
+        total += int(predicate(item))
     return total
 
 
@@ -251,29 +252,60 @@ class _Access:
     stale: frozenset = frozenset()  # loop variables that advanced since the access
 
 
-def _mentions(expr, variables) -> bool:
-    if isinstance(expr, int) or not variables:
-        return False
-    return any(v in variables for v in tirx.analysis.undefined_vars(expr))
+class _Scope:
+    """The loops around the stage being placed: each loop variable's trip count, and which
+    are in scope (an access recorded inside a loop that has ended happened at every trip)."""
+
+    def __init__(self):
+        self.trips: dict = {}
+        self.open: list = []
 
 
-def _offsets_equal(a, b) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    if isinstance(a, int) or isinstance(b, int):
-        return False
-    return tvm.sym.Analyzer().can_prove_equal(a, b)
+def _offset_text(offset, writer: IslWriter) -> str:
+    return str(offset) if isinstance(offset, int) else writer.aff(offset).text
 
 
-def _same_memory(earlier: _Access, ref: BufferRef) -> str:
-    """'disjoint', 'same' (the same elements, the same iteration), or 'unknown'."""
+def _same_memory(earlier: _Access, ref: BufferRef, scope: _Scope) -> str:
+    """'disjoint', 'same' (every element ``earlier`` may have touched there is the element at
+    the same place of ``ref``), or 'unknown' (partly overlapping, or not provable).
+
+    Offsets may depend on loop variables (a scan's ping-pong slots, sliced sequences): isl
+    decides over all trips. A variable the earlier access saw an earlier iteration of
+    (``stale``) ranges over the iterations before the current one; one whose loop has ended
+    ranges over all its trips."""
     a = earlier.ref
     if not a.base.same_as(ref.base):
         return "disjoint"
-    if isinstance(a.offset, int) and isinstance(ref.offset, int) and \
-            (a.offset + a.spec.size <= ref.offset or ref.offset + ref.spec.size <= a.offset):
+    a_vars = [] if isinstance(a.offset, int) else list(tirx.analysis.undefined_vars(a.offset))
+    b_vars = [] if isinstance(ref.offset, int) else list(tirx.analysis.undefined_vars(ref.offset))
+    names, bounds, a_axes, b_axes = [], [], [], []
+    for k, var in enumerate(dict.fromkeys(a_vars + b_vars)):
+        name = f"v{k}"
+        in_scope = any(var.same_as(v) for v in scope.open)
+        if any(var.same_as(b) for b in b_vars) or in_scope:
+            names.append(name)
+            bounds.append(f"0 <= {name} < {scope.trips[var]}")
+            b_axes.append((var, name))
+        if any(var.same_as(v) for v in a_vars):
+            if in_scope and var in earlier.stale:
+                names.append(f"p{k}")
+                bounds.append(f"0 <= p{k} < {name}")
+                a_axes.append((var, f"p{k}"))
+            elif in_scope or any(var.same_as(b) for b in b_vars):
+                a_axes.append((var, name))
+            else:
+                names.append(f"p{k}")
+                bounds.append(f"0 <= p{k} < {scope.trips[var]}")
+                a_axes.append((var, f"p{k}"))
+    try:
+        a_lo, b_lo = _offset_text(a.offset, IslWriter(a_axes)), _offset_text(ref.offset, IslWriter(b_axes))
+    except NotAffine:
+        return "unknown"
+    domain = f"[{', '.join(names)}] : " + " and ".join(bounds or ["true"])
+    overlap = isl.Set(f"{{ {domain} and {a_lo} < {b_lo} + {ref.spec.size} and {b_lo} < {a_lo} + {a.spec.size} }}")
+    if overlap.is_empty():
         return "disjoint"
-    if a.spec.size == ref.spec.size and _offsets_equal(a.offset, ref.offset) and not _mentions(a.offset, earlier.stale):
+    if a.spec.size == ref.spec.size and overlap.is_subset(isl.Set(f"{{ {domain} and {a_lo} = {b_lo} }}")):
         return "same"
     return "unknown"
 
@@ -302,25 +334,25 @@ def same_block(reader: Stage, placeholder: te.Tensor, writer: Stage) -> bool:
     return cross.is_subset(isl.Map("{ R[t] -> W[t] }"))
 
 
-def _conflict(stage: Stage, writes: list[_Access], reads: list[_Access]) -> str | None:
+def _conflict(stage: Stage, writes: list[_Access], reads: list[_Access], scope: _Scope) -> str | None:
     """Why ``stage`` cannot run without a barrier after these accesses; None if it can."""
     for k, ref in enumerate(stage.reads):
         for w in writes:
-            overlap = _same_memory(w, ref)
+            overlap = _same_memory(w, ref, scope)
             if overlap == "disjoint" or w.stage is stage:
                 continue
             if overlap == "same" and same_block(stage, stage.placeholders[k], w.stage):
                 continue
             return f"reads {ref.spec.name} written by {w.stage.name} in other blocks"
     for r in reads:
-        overlap = _same_memory(r, stage.write)
+        overlap = _same_memory(r, stage.write, scope)
         if overlap == "disjoint" or r.stage is stage:
             continue
         if overlap == "same" and same_block(r.stage, r.placeholder, stage):
             continue
         return f"overwrites {stage.write.spec.name} while {r.stage.name} may still read it in other blocks"
     for w in writes:
-        overlap = _same_memory(w, stage.write)
+        overlap = _same_memory(w, stage.write, scope)
         if overlap == "disjoint":
             continue
         if overlap == "same" and w.stage.schedule.per_tile == stage.schedule.per_tile:
@@ -333,26 +365,34 @@ class _BarrierPass:
     def __init__(self):
         self.writes: list[_Access] = []
         self.reads: list[_Access] = []
+        self.scope = _Scope()
         self.changed = False
+
+    def clear(self):
+        self.writes, self.reads = [], []
 
     def run(self, items: list):
         for item in items:
             if isinstance(item, Loop):
                 self.loop(item)
                 continue
+            if item.barrier is None:
+                item.barrier = _conflict(item, self.writes, self.reads, self.scope)
+                self.changed |= item.barrier is not None
             if item.barrier is not None:
-                self.writes, self.reads = [], []
-            else:
-                why = _conflict(item, self.writes, self.reads)
-                if why is not None:
-                    item.barrier = why
-                    self.changed = True
-                    self.writes, self.reads = [], []
+                self.clear()
             self.reads += [_Access(item, ref, p) for ref, p in zip(item.reads, item.placeholders)]
             self.writes.append(_Access(item, item.write, None))
 
     def loop(self, loop: Loop):
-        """The body as the first iteration, then as a later one until no barrier is added."""
+        """One barrier before the loop when its body conflicts with what ran before it; then
+        the body as the first iteration, and again as a later one until no barrier is added."""
+        self.scope.open.append(loop.var)
+        if loop.barrier is None:
+            loop.barrier = next((why for s in _walk(loop.items)
+                                 if (why := _conflict(s, self.writes, self.reads, self.scope))), None)
+        if loop.barrier is not None:
+            self.clear()
         self.run(loop.items)
         while True:
             self.changed = False
@@ -360,12 +400,22 @@ class _BarrierPass:
             self.reads = [_Access(a.stage, a.ref, a.placeholder, a.stale | {loop.var}) for a in self.reads]
             self.run(loop.items)
             if not self.changed:
-                return
+                break
+        self.scope.open.pop()
+
+
+def _loops(items):
+    for item in items:
+        if isinstance(item, Loop):
+            yield item
+            yield from _loops(item.items)
 
 
 def place_barriers(staged: StagedProgram) -> StagedProgram:
-    """Mark the stages that need a grid barrier before them, with the reason."""
-    _BarrierPass().run(staged.items)
+    """Mark the stages (and loops) that need a grid barrier before them, with the reason."""
+    barriers = _BarrierPass()
+    barriers.scope.trips = {loop.var: loop.trips for loop in _loops(staged.items)}
+    barriers.run(staged.items)
     return staged
 
 
@@ -389,6 +439,7 @@ def _live_ranges(staged: StagedProgram) -> dict:
         nonlocal phase
         for item in items:
             if isinstance(item, Loop):
+                phase += int(item.barrier is not None)
                 start = phase
                 inner_first = _first_stage(item.items)
                 first_access: dict = {}
@@ -440,6 +491,11 @@ def _align(n: int) -> int:
 
 
 # -- shared by the CUDA and CPU builders ------------------------------------------------------
+def seq(stmts: list[tirx.Stmt]) -> tirx.Stmt:
+    """Statements in order (TVM refuses a sequence of one)."""
+    return stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts)
+
+
 def slot_views(staged: StagedProgram) -> list[tirx.Stmt]:
     """Each used slot declared as a view into its arena at its planned offset."""
     views = []
