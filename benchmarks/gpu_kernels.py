@@ -4,14 +4,16 @@ A lent GPU machine has no TVM (its wheel does not fit the transfer), so the kern
 here and run there:
 
     python benchmarks/gpu_kernels.py export shared/gpu_kernels [--models ...] [--configs tiny paper]
-    python benchmarks/gpu_kernels.py run shared/gpu_kernels [--repeat 100] [--warmup 10]   # on the GPU
+    python benchmarks/gpu_kernels.py run shared/gpu_kernels [--repeat 100] [--warmup 10] [--ncu]   # on the GPU
 
 ``export`` compiles each model for target cuda and writes, per model and config, the kernel
 artifact (cubins for sm_80 and sm_90, the source, the call and the weight recipes), seeded
 inputs and the PyTorch outputs. ``run`` needs only numpy and cuda-python: it rebuilds the
 weights from their seeds, launches each kernel cooperatively, compares every output with
 PyTorch's, times ``repeat`` inferences with CUDA events after ``warmup`` and writes
-benchmarks/results/gpu_kernels.{json,md} with the device, versions and command.
+benchmarks/results/gpu_kernels.{json,md} with the device, versions and command. With ``--ncu``
+one more inference of each runs under Nsight Compute, which counts its kernel launches and
+measures its DRAM bytes read and written (caches flushed first).
 """
 
 from __future__ import annotations
@@ -52,18 +54,33 @@ def export(directory: Path, names: list[str], configs: list[str]) -> None:
                   f"{model.plan.barrier_count()} barriers")
 
 
-def run(directory: Path, repeat: int, warmup: int) -> None:
-    from souffle.runtime.cuda import Device
+NCU_METRICS = ["dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum"]
 
+
+def _inputs(target: Path, artifact: KernelArtifact) -> list[np.ndarray]:
+    inputs = dict(np.load(target / "inputs.npz"))
+    return [np.ascontiguousarray(inputs[slot.name]).reshape(-1) for slot in artifact.inputs]
+
+
+def once(target: Path) -> None:
+    """Exactly one inference and nothing else on the GPU: the process ncu profiles."""
+    artifact = KernelArtifact.load(target)
+    Launcher(artifact).run(_inputs(target, artifact))
+
+
+def run(directory: Path, repeat: int, warmup: int, ncu: bool) -> None:
+    from souffle.runtime.cuda import Device
+    from souffle.runtime.ncu import profile_launches, require_ncu
+
+    ncu_path = require_ncu() if ncu else None
     device = Device()
     rows = []
     for target in sorted(p for p in directory.iterdir() if (p / "manifest.json").exists()):
         artifact = KernelArtifact.load(target)
         check = json.loads((target / "check.json").read_text())
-        inputs = dict(np.load(target / "inputs.npz"))
         expected = list(np.load(target / "expected.npz").values())
         launcher = Launcher(artifact, device=device)
-        arrays = [np.ascontiguousarray(inputs[slot.name]).reshape(-1) for slot in artifact.inputs]
+        arrays = _inputs(target, artifact)
         outputs = launcher.run(arrays)
         errors = [float(np.max(np.abs(o - e))) for o, e in zip(outputs, expected)]
         ok = all(np.allclose(o, e, rtol=check["rtol"], atol=check["atol"]) for o, e in zip(outputs, expected))
@@ -72,10 +89,19 @@ def run(directory: Path, repeat: int, warmup: int) -> None:
                      "grid": launcher.grid, "blocks_per_sm": launcher.blocks_per_sm, "threads": artifact.threads,
                      "max_abs_error": max(errors), "check": "PASS" if ok else "FAIL",
                      "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "runs": len(times)})
-    header = "| model | config | grid | check (max abs error) | median | min | max | runs |\n|---|---|---|---|---|---|---|---|\n"
+        if ncu_path is not None:
+            launches = profile_launches(ncu_path, [sys.executable, __file__, "once", str(target)], NCU_METRICS,
+                                        target.name)
+            rows[-1].update({"ncu_launches": len(launches),
+                             "dram_read_mb": sum(x["dram__bytes_read.sum"] for x in launches) / 1e6,
+                             "dram_write_mb": sum(x["dram__bytes_write.sum"] for x in launches) / 1e6,
+                             "ncu_gpu_time_ms": sum(x["gpu__time_duration.sum"] for x in launches) / 1e6})
+    header = ("| model | config | grid | check (max abs error) | median | min | max | runs | kernels (ncu) "
+              "| DRAM read MB (ncu) | DRAM write MB (ncu) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     table = header + "\n".join(
         f"| {r['model']} | {r['config']} | {r['grid']} ({r['blocks_per_sm']}/SM) | {r['check']} ({r['max_abs_error']:.2g}) "
-        f"| {r['median_ms']:.3f} ms | {r['min_ms']:.3f} ms | {r['max_ms']:.3f} ms | {r['runs']} |" for r in rows)
+        f"| {r['median_ms']:.3f} ms | {r['min_ms']:.3f} ms | {r['max_ms']:.3f} ms | {r['runs']} "
+        f"| {r.get('ncu_launches', '-')} | {r.get('dram_read_mb', '-')} | {r.get('dram_write_mb', '-')} |" for r in rows)
     common.publish("gpu_kernels", rows, f"Device: {device.name} ({device.arch}, {device.sms} SMs)\n\n{table}",
                    ("numpy", "cuda-bindings"), f"CUDA events, {warmup} warm-up runs, median of {repeat}")
     if any(r["check"] != "PASS" for r in rows):
@@ -84,17 +110,20 @@ def run(directory: Path, repeat: int, warmup: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=("export", "run"))
+    parser.add_argument("step", choices=("export", "run", "once"))
     parser.add_argument("directory", type=Path)
     parser.add_argument("--models", nargs="+", default=list(models.MODELS))
     parser.add_argument("--configs", nargs="+", default=["tiny", "paper"])
     parser.add_argument("--repeat", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--ncu", action="store_true", help="also count launches and DRAM bytes with Nsight Compute")
     args = parser.parse_args()
     if args.step == "export":
         export(args.directory, args.models, args.configs)
+    elif args.step == "once":
+        once(args.directory)
     else:
-        run(args.directory, args.repeat, args.warmup)
+        run(args.directory, args.repeat, args.warmup, args.ncu)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,10 @@ The helpers below (arguments, compiling, running under ncu, the JSON record) are
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,12 +29,12 @@ import souffle
 from benchmarks import common
 from souffle import models
 from souffle.compiler import TARGETS
-from souffle.errors import SouffleError, TargetError
+from souffle.errors import SouffleError
 from souffle.runtime.cuda import gpu_available
+from souffle.runtime.ncu import profile_launches, require_ncu
 
 PACKAGES = ("apache-tvm", "apache-tvm-ffi", "islpy", "numpy", "cuda-bindings")
 RUN_ONCE = "--run-once"  # hidden: compile the cuda build and run exactly one inference (the process ncu profiles)
-_UNIT_SCALE = {"": 1, "byte": 1, "nsecond": 1}  # what ``ncu --print-units base`` prints for our metrics
 
 
 # -- shared with profile_dram.py --------------------------------------------------------------
@@ -87,50 +85,11 @@ def run_once(name: str, config: str) -> None:
     model.run(models.make_inputs(name, config))
 
 
-def require_ncu() -> str:
-    """ncu's path; refused before anything is compiled where it cannot measure."""
-    if not gpu_available():
-        raise TargetError("--ncu needs an NVIDIA GPU, and no CUDA device is usable on this machine; "
-                          "run without --ncu for the static columns")
-    ncu = shutil.which("ncu")
-    if ncu is None:
-        raise TargetError("--ncu needs Nsight Compute: `ncu` is not on PATH")
-    return ncu
-
-
 def ncu_launches(ncu: str, script: str, name: str, config: str, metrics: list[str]) -> list[dict]:
-    """Each kernel launch of one inference, as ``{"kernel": name, metric: value}``, from ``ncu --csv``.
-
-    ncu profiles every launch of the process it starts, so that process (this script with
-    the hidden flag) runs exactly one inference and no warm-up.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "ncu.csv"
-        cmd = [ncu, "--csv", "--print-units", "base", "--clock-control", "none", "--metrics", ",".join(metrics),
-               "--log-file", str(log), sys.executable, script, RUN_ONCE, name, "--config", config]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        text = log.read_text() if log.exists() else ""
-    if done.returncode != 0 or "==ERROR==" in text:
-        tail = "\n".join((text + done.stdout + done.stderr).strip().splitlines()[-15:])
-        raise TargetError(f"ncu failed on {name} ({config}), exit {done.returncode}:\n{tail}")
-    launches = parse_ncu_csv(text)
-    if not launches:
-        raise TargetError(f"ncu recorded no kernel launch for {name} ({config}); its log:\n{text.strip()[-2000:]}")
-    return launches
-
-
-def parse_ncu_csv(text: str) -> list[dict]:
-    """``ncu --csv`` rows (one per launch and metric) grouped by launch ID, in launch order.
-    ``==PROF==`` lines and anything else not quoted is skipped; values may carry thousands separators."""
-    rows = csv.DictReader(line for line in text.splitlines() if line.startswith('"'))
-    launches: dict[str, dict] = {}
-    for row in rows:
-        unit = row["Metric Unit"]
-        if unit not in _UNIT_SCALE:
-            raise TargetError(f"ncu reported {row['Metric Name']} in {unit!r}; expected base units (--print-units base)")
-        launch = launches.setdefault(row["ID"], {"kernel": row["Kernel Name"]})
-        launch[row["Metric Name"]] = float(row["Metric Value"].replace(",", "")) * _UNIT_SCALE[unit]
-    return list(launches.values())
+    """Each kernel launch of one inference of ``name``'s cuda build, measured by ncu; the
+    process it profiles (this script with the hidden flag) runs exactly one inference."""
+    return profile_launches(ncu, [sys.executable, script, RUN_ONCE, name, "--config", config], metrics,
+                            f"{name} ({config})")
 
 
 def format_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:

@@ -79,7 +79,7 @@ def test_bad_arguments_are_usage_errors(argv, message):
 def test_ncu_csv_is_grouped_per_launch():
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        parse = importlib.import_module("profile_kernels").parse_ncu_csv
+        parse = importlib.import_module("souffle.runtime.ncu").parse_ncu_csv
     finally:
         sys.path.remove(str(ROOT / "scripts"))
     header = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Section Name",' \
