@@ -3,6 +3,8 @@ co-resident on the A100 and H200 device models; the grid-size rules; behaviour w
 the TVM-free kernel artifact. Running on a GPU is tests/test_gpu.py."""
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -148,3 +150,22 @@ def test_shared_memory_is_pooled_across_stages():
     staged.items = [staged_through_shared(stage) for stage in staged.items]
     source = cuda_source(persistent_kernel(staged), "sm_90")
     assert compile_cubin(source, "sm_90")[1].shared_bytes == 256 * 4
+
+
+def test_artifact_loads_and_rebuilds_weights_without_tvm(compiled, tmp_path):
+    """A lent GPU machine has no TVM: loading an artifact, rebuilding its weights and reaching
+    the launcher must not import it (nor torch)."""
+    compiled("lstm", "tiny").artifact(config="tiny").save(tmp_path / "lstm")
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('tvm', 'torch'): raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from souffle.runtime.artifact import KernelArtifact, Launcher\n"
+        f"artifact = KernelArtifact.load({str(tmp_path / 'lstm')!r})\n"
+        "print(len(artifact.weight_arrays()), sorted(artifact.cubins))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["8", "['sm_90']"]

@@ -79,9 +79,9 @@ class KernelArtifact:
         if model_weights is None:
             if self.config is None:
                 raise SouffleError(f"artifact {self.model!r} records no model config: pass its weights")
-            from souffle import models
+            from souffle import models  # numpy only: building the graph would need TVM
 
-            model_weights = models.build(self.model, self.config, seed=self.seed).weights
+            model_weights = models.get(self.model).init_weights(models.config(self.model, self.config), self.seed)
         arrays = {}
         for w in self.weights:
             parts = [np.asarray(model_weights[name]) for name in w["sources"]]
