@@ -30,7 +30,7 @@ from tvm import te, tirx
 from analysis.affine import Rewriter
 from analysis.dependence import IslWriter, NotAffine, access_relations
 from codegen.schedule import THREADS, StageSchedule, schedule_stage
-from codegen.stitch import BufferRef, _c_name, _Stitcher
+from codegen.stitch import BufferRef, c_name, Stitcher
 from souffle.graph import TensorSpec
 from souffle.lower import Region, TEProgram
 
@@ -154,7 +154,7 @@ class SlotArena:
 
     def alloc(self, spec: TensorSpec, count: int = 1) -> BufferRef:
         size = spec.size * count
-        slot = tirx.decl_buffer((size,), spec.dtype, name=f"slot{len(self.slots)}_{_c_name(spec.name)}"[:60])
+        slot = tirx.decl_buffer((size,), spec.dtype, name=f"slot{len(self.slots)}_{c_name(spec.name)}"[:60])
         self.slots[slot] = (spec.dtype, size)
         return BufferRef(slot, 0, spec)
 
@@ -179,7 +179,7 @@ def isolate(tensor: te.Tensor) -> tuple[te.Tensor, list[te.Tensor]]:
     return staged, [holders[t.op] for t in inputs]
 
 
-class _Stager(_Stitcher):
+class _Stager(Stitcher):
     """The stitcher's memory placement, with regions and copies emitted as stages."""
 
     def __init__(self, graph, gpu: bool, threads: int):
@@ -219,8 +219,8 @@ class _Stager(_Stitcher):
         return stages
 
     def copy(self, src: BufferRef, dst: BufferRef) -> Stage:
-        source = te.placeholder(src.spec.shape, src.spec.dtype, name=f"{_c_name(src.spec.name)}_in")
-        copied = te.compute(src.spec.shape, lambda *i: source(*i), name=f"copy_{_c_name(src.spec.name)}")
+        source = te.placeholder(src.spec.shape, src.spec.dtype, name=f"{c_name(src.spec.name)}_in")
+        copied = te.compute(src.spec.shape, lambda *i: source(*i), name=f"copy_{c_name(src.spec.name)}")
         return self.stage(f"copy {src.spec.name} -> {dst.spec.name}", copied, [source], [src], dst)
 
     def make_loop(self, var: tirx.Var, trips: int, body: list, name: str) -> Loop:

@@ -75,7 +75,7 @@ class StitchedProgram:
     loop_count: int
 
 
-class _Stitcher:
+class Stitcher:
     """Binds every tensor of the program to a place in memory and emits each region's code.
 
     The placement (inputs, weights, outputs, arena slots, a scan's ping-pong carries, sliced
@@ -99,7 +99,7 @@ class _Stitcher:
 
     def weight_ref(self, name: str, spec: TensorSpec) -> BufferRef:
         if name not in self.weight_buffers:
-            self.weight_buffers[name] = self.flat(TensorSpec(name, self.weight_values[name].shape, spec.dtype), _c_name(name))
+            self.weight_buffers[name] = self.flat(TensorSpec(name, self.weight_values[name].shape, spec.dtype), c_name(name))
         return BufferRef(self.weight_buffers[name], 0, spec)
 
     def resolve(self, refs: dict[str, BufferRef], name: str) -> BufferRef:
@@ -201,10 +201,10 @@ class _Stitcher:
         """The program's code, with its input and output buffers (in the graph's order)."""
         graph = program.graph
         refs: dict[str, BufferRef] = {}
-        input_buffers = [self.flat(spec, _c_name(spec.name)) for spec in graph.inputs]
+        input_buffers = [self.flat(spec, c_name(spec.name)) for spec in graph.inputs]
         for spec, buf in zip(graph.inputs, input_buffers):
             refs[spec.name] = BufferRef(buf, 0, spec)
-        output_buffers = [self.flat(spec, f"out{k}_{_c_name(spec.name)}") for k, spec in enumerate(graph.output_specs())]
+        output_buffers = [self.flat(spec, f"out{k}_{c_name(spec.name)}") for k, spec in enumerate(graph.output_specs())]
         copies_at_end = []
         for spec, buf in zip(graph.output_specs(), output_buffers):
             ref = BufferRef(buf, 0, spec)
@@ -223,13 +223,13 @@ class _Stitcher:
         return values, list(self.weight_buffers.values())
 
 
-def _c_name(name: str) -> str:
+def c_name(name: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
 
 
 def stitch(program: TEProgram, scheduler: Scheduler) -> StitchedProgram:
     """One PrimFunc for the whole program, each region scheduled by ``scheduler``."""
-    st = _Stitcher(program.graph, scheduler)
+    st = Stitcher(program.graph, scheduler)
     stmts, input_buffers, output_buffers = st.whole(program)
     weights, weight_buffers = st.weights()
     arenas = list(st.arena.buffers.values())

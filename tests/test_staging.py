@@ -3,19 +3,24 @@ run of the very stages the CUDA kernel runs, checked against PyTorch and hand-bu
 
 import numpy as np
 import pytest
+from tvm import tirx
 
 import souffle
 from codegen import llvm
 from codegen.staging import (
     Loop,
+    _Access,
     _live_ranges,
+    _same_memory,
+    _Scope,
     place_barriers,
     plan_arena,
     same_block,
     stage_program,
 )
+from codegen.stitch import BufferRef
 from souffle import models
-from souffle.graph import GraphBuilder
+from souffle.graph import GraphBuilder, TensorSpec
 from souffle.lower import lower_graph
 
 RNG = np.random.default_rng(3)
@@ -151,3 +156,35 @@ def test_table_lists_stages_and_barrier_reasons():
     assert "-- grid barrier: reads h written by mlp_r0/h in other blocks" in text
     assert "mlp_r0/xw: thread_reduce 8 tiles x 32 elements, 32 threads" in text
     assert "mlp_r0/y: warp_reduce 256 tiles x 1 elements, 32 threads" in text
+
+
+def _ref(base, offset, size):
+    return BufferRef(base, offset, TensorSpec("t", (size,), "float32"))
+
+
+@pytest.mark.parametrize("earlier,later,stale,expected", [
+    ((0, 16), (16, 16), False, "disjoint"),  # neighbours in one buffer
+    ((0, 16), (8, 16), False, "unknown"),  # partly overlapping
+    ((0, 16), (0, 16), True, "same"),  # a fixed offset is the same memory in every iteration
+    (("slot", 1), ("slot", 0), False, "disjoint"),  # ping-pong: next slot vs this iteration's slot
+    (("slot", 1), ("slot", 0), True, "same"),  # last iteration's next slot is this one's current slot
+    (("slice", 0), ("slice", 0), False, "same"),  # step i's slice of a sequence, twice in one step
+    (("slice", 0), ("slice", 0), True, "disjoint"),  # an earlier step's slice is elsewhere
+    ((0, 1600), ("slice", 0), False, "unknown"),  # the whole sequence vs one step's slice
+])
+def test_same_memory_over_loop_iterations(earlier, later, stale, expected):
+    base = tirx.decl_buffer((4096,), "float32", name="arena")
+    i = tirx.Var("i", "int64")
+    scope = _Scope()
+    scope.trips, scope.open = {i: 100}, [i]
+
+    def ref(spec):
+        kind, k = spec
+        if kind == "slot":
+            return _ref(base, 32 + tirx.floormod(i + k, 2) * 16, 16)
+        if kind == "slice":
+            return _ref(base, i * 16, 16)
+        return _ref(base, kind, k)
+
+    access = _Access(None, ref(earlier), None, frozenset({i}) if stale else frozenset())
+    assert _same_memory(access, ref(later), scope) == expected
