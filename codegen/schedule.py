@@ -32,6 +32,8 @@ from functools import reduce as _fold
 import tvm
 from tvm import s_tir, tirx
 
+from souffle.errors import SouffleError
+
 THREADS = 256  # one thread-block shape for every stage of a kernel
 WARP = 32
 WARP_REDUCE_MIN_EXTENT = 64  # shorter reductions leave most of a warp's lanes idle
@@ -54,7 +56,7 @@ class StageSchedule:
         return f"{self.template} {self.n_tiles} tiles x {self.per_tile} elements, {self.threads} threads{shared}"
 
 
-class ScheduleError(ValueError):
+class ScheduleError(SouffleError):
     """A stage no template can schedule (the message says which and why)."""
 
 

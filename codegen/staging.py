@@ -30,7 +30,8 @@ from tvm import te, tirx
 from analysis.affine import Rewriter
 from analysis.dependence import IslWriter, NotAffine, access_relations
 from codegen.schedule import THREADS, StageSchedule, schedule_stage
-from codegen.stitch import BufferRef, c_name, Stitcher
+from codegen.stitch import BufferRef, Stitcher, c_name
+from souffle.errors import GraphError
 from souffle.graph import TensorSpec
 from souffle.lower import Region, TEProgram
 
@@ -164,7 +165,7 @@ def isolate(tensor: te.Tensor) -> tuple[te.Tensor, list[te.Tensor]]:
     order, returned with it), so that it compiles on its own as one stage."""
     op = tensor.op
     if len(op.body) != 1:
-        raise ValueError(f"{op.name}: TEs with {len(op.body)} outputs are not staged")
+        raise GraphError(f"{op.name}: TEs with {len(op.body)} outputs are not staged")
     inputs = list(op.input_tensors)
     holders = {t.op: te.placeholder(t.shape, t.dtype, name=f"{t.op.name}_in") for t in inputs}
     reduce_axes = {ax.var: te.reduce_axis(ax.dom, ax.var.name) for ax in op.reduce_axis}
@@ -239,7 +240,7 @@ def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS) -> Stag
     names = [b.name for b in staged.parameters()]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
-        raise ValueError(f"{program.graph.name}: tensors {clash} have the same C name; rename one")
+        raise GraphError(f"{program.graph.name}: tensors {clash} have the same C name; rename one")
     return staged
 
 

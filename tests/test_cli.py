@@ -3,6 +3,7 @@ import json
 import pytest
 
 from souffle.cli import main
+from souffle.runtime.cuda import gpu_available
 
 
 def test_compile_check_prints_the_report(capsys):
@@ -30,11 +31,33 @@ def test_explain_prints_graph_and_te_program(capsys):
     (["compile", "gpt5"], "unknown model 'gpt5'; available: lstm, bert, resnext, mmoe"),
     (["compile", "lstm", "--config", "huge"], "'huge'"),
     (["compile", "lstm", "--target", "tpu"], "unknown target 'tpu'"),
+    (["compile", "lstm", "--emit-source", "x.cu"], "--emit-source writes CUDA source: it needs --target cuda"),
+    (["compile", "mmoe", "--target", "cuda", "--device", "cpu", "--no-run"], "needs a GPU device model"),
 ])
 def test_bad_arguments_exit_2_with_a_reason(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("souffle: error: ") and message in err
+
+
+def test_cuda_compile_without_running_prints_the_kernel_report(capsys, tmp_path):
+    source = tmp_path / "mmoe.cu"
+    assert main(["compile", "mmoe", "--target", "cuda", "--no-run", "--emit-source", str(source)]) == 0
+    out = capsys.readouterr().out
+    assert "kernels        1" in out and "co-residency   h200:" in out and "grid barriers  0 (0 executed)" in out
+    assert source.read_text().count("__global__") == 2  # one kernel: its declaration and definition
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the behaviour on a machine without a GPU")
+def test_cuda_run_without_a_gpu_exits_2_with_the_reason(capsys):
+    assert main(["compile", "mmoe", "--target", "cuda"]) == 2
+    assert "target 'cuda' needs an NVIDIA GPU and driver" in capsys.readouterr().err
+
+
+def test_persistent_cpu_target_checks_against_pytorch(capsys):
+    assert main(["compile", "lstm", "--target", "llvm-persistent", "--threads", "32", "--check", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "check          PASS" in out and "32 threads per block" in out
 
 
 def test_analyze_prints_a_row_per_te_and_a_summary(capsys):
