@@ -19,7 +19,7 @@ from tvm import tirx
 
 from analysis.device import DeviceModel
 from codegen.schedule import THREADS
-from codegen.staging import Loop, Stage, StagedProgram, seq, slot_views, tiled_stage
+from codegen.staging import Loop, StagedProgram, seq, slot_views, tiled_stage
 from souffle.errors import TargetError
 
 KERNEL_NAME = "main_kernel"
@@ -149,19 +149,3 @@ def co_resident_grid(registers: int, shared_bytes: int, device: DeviceModel, thr
         raise TargetError(f"the kernel cannot be co-resident on {device.name}: {limits}")
     return Occupancy(device.name, blocks, blocks * device.sms, limits)
 
-
-def stage_table(staged: StagedProgram) -> list[dict]:
-    """Per stage: name, template, tiles, threads, barrier — for reports and tools."""
-    rows = []
-
-    def visit(items, loops):
-        for item in items:
-            if isinstance(item, Loop):
-                visit(item.items, loops + ((item.name, item.trips),))
-            elif isinstance(item, Stage):
-                rows.append({"stage": item.name, "template": item.schedule.template, "tiles": item.schedule.n_tiles,
-                             "per_tile": item.schedule.per_tile, "threads": item.schedule.threads,
-                             "barrier": item.barrier, "loops": [list(loop) for loop in loops]})
-
-    visit(staged.items, ())
-    return rows

@@ -15,7 +15,7 @@ import numpy as np
 
 from souffle.errors import InputError, SouffleError, TargetError
 from souffle.graph import Graph
-from souffle.lower import TEProgram, lower_graph
+from souffle.lower import LoopRegion, TEProgram, lower_graph
 
 TARGETS = ("llvm", "cuda", "llvm-persistent")
 PERSISTENT_CPU_GRID = 1056  # blocks the CPU run of the staged program uses at most (H200: 132 SMs x 8)
@@ -87,10 +87,6 @@ class CompiledModel:
             self._arenas = [tvm.runtime.empty((max(size, 1),), dtype, self._device) for dtype, size in plan.arena_sizes.items()]
 
     @property
-    def stitched(self):
-        return self.plan
-
-    @property
     def input_names(self) -> list[str]:
         return [s.name for s in self.graph.inputs]
 
@@ -155,8 +151,8 @@ class CompiledModel:
             ops=self.graph.op_count(),
             ops_executed=self.graph.op_count(executed=True),
             tes=self.program.te_count(),
-            regions=sum(1 for r in self.program.regions if not hasattr(r, "scan")) if staged else plan.region_count,
-            loops=sum(1 for r in self.program.regions if hasattr(r, "scan")) if staged else plan.loop_count,
+            regions=sum(not isinstance(r, LoopRegion) for r in self.program.regions) if staged else plan.region_count,
+            loops=sum(isinstance(r, LoopRegion) for r in self.program.regions) if staged else plan.loop_count,
             kernels=self.kernel_count,
             weight_bytes=sum(v.nbytes for _, v in plan.weights),
             arena_bytes=sum(size * np.dtype(d).itemsize for d, size in plan.arena_sizes.items()),
@@ -208,10 +204,10 @@ def _compile_llvm(graph: Graph) -> CompiledModel:
     from codegen.stitch import stitch
 
     seconds: dict[str, float] = {}
-    prepared = _timed(seconds, "prepare", llvm.prepare_graph, graph)
-    program = _timed(seconds, "lower", lower_graph, prepared)
-    stitched = _timed(seconds, "schedule+stitch", stitch, program, schedule_cpu)
-    executable = _timed(seconds, "build", llvm.build, stitched.func)
+    prepared = timed(seconds, "prepare", llvm.prepare_graph, graph)
+    program = timed(seconds, "lower", lower_graph, prepared)
+    stitched = timed(seconds, "schedule+stitch", stitch, program, schedule_cpu)
+    executable = timed(seconds, "build", llvm.build, stitched.func)
     return CompiledModel(graph, "llvm", program, stitched, executable, seconds)
 
 
@@ -226,20 +222,20 @@ def _compile_persistent(graph: Graph, target: str, device: str | None, threads: 
     from codegen import llvm
 
     seconds: dict[str, float] = {}
-    program = _timed(seconds, "lower", lower_graph, graph)
-    staged = _timed(seconds, "stage", staged_program, program, target == "cuda", threads)
+    program = timed(seconds, "lower", lower_graph, graph)
+    staged = timed(seconds, "stage", staged_program, program, target == "cuda", threads)
     if target == "cuda":
         from souffle.cuda_model import build_cuda
 
         return build_cuda(graph, program, staged, device, seconds)
     grid = min(staged.max_tiles, PERSISTENT_CPU_GRID)
-    executable = _timed(seconds, "build", llvm.build, llvm.staged_function(staged, grid))
+    executable = timed(seconds, "build", llvm.build, llvm.staged_function(staged, grid))
     model = CompiledModel(graph, target, program, staged, executable, seconds)
     model.grid = grid
     return model
 
 
-def _timed(seconds: dict[str, float], stage: str, fn, *args):
+def timed(seconds: dict[str, float], stage: str, fn, *args):
     """Run one pipeline stage, recording its wall time under ``stage``."""
     start = time.perf_counter()
     result = fn(*args)

@@ -8,7 +8,7 @@ cuda-python and launches it cooperatively, sizing the grid with the driver's occ
 
 from __future__ import annotations
 
-from souffle.compiler import CompiledModel, Report, _timed
+from souffle.compiler import CompiledModel, Report, timed
 from souffle.errors import TargetError
 from souffle.runtime.artifact import KernelArtifact, Launcher, TensorSlot
 
@@ -26,9 +26,9 @@ def build_cuda(graph, program, staged, device: str | None, seconds: dict[str, fl
     model = get_device(device or "h200")
     if model.kind != "gpu":
         raise TargetError(f"target 'cuda' needs a GPU device model, not {model.name!r}; use 'h200' or 'a100'")
-    func = _timed(seconds, "kernel", persistent_kernel, staged)
-    source = _timed(seconds, "codegen", cuda_source, func, model.arch)
-    cubin, resources = _timed(seconds, "nvcc", compile_cubin, source, model.arch)
+    func = timed(seconds, "kernel", persistent_kernel, staged)
+    source = timed(seconds, "codegen", cuda_source, func, model.arch)
+    cubin, resources = timed(seconds, "nvcc", compile_cubin, source, model.arch)
     occupancy = co_resident_grid(resources.registers, resources.shared_bytes, model, staged.threads)
     return CudaModel(graph, program, staged, source, model, cubin, resources, occupancy,
                      argument_order(source, staged), seconds)

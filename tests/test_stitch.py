@@ -75,7 +75,7 @@ def test_scan_with_carry_xs_ys_and_invariant_weight():
     want_h, want_ys = _cell_reference(inputs["h0"], inputs["xs"], graph.weights["w"])
     np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_ys, want_ys, rtol=1e-5, atol=1e-5)
-    assert model.stitched.weights[0][0].name == "w"  # invariant: not stacked
+    assert model.plan.weights[0][0].name == "w"  # invariant: not stacked
 
 
 def test_nested_scans_layers_of_time_steps():
