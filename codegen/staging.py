@@ -30,12 +30,10 @@ from tvm import te, tirx
 from analysis.affine import Rewriter
 from analysis.dependence import IslWriter, NotAffine, access_relations
 from codegen.schedule import THREADS, StageSchedule, schedule_stage
-from codegen.stitch import BufferRef, Stitcher, c_name
+from codegen.stitch import BufferRef, Stitcher, align, c_name
 from souffle.errors import GraphError
 from souffle.graph import TensorSpec
 from souffle.lower import Region, TEProgram
-
-ARENA_ALIGN = 16  # elements; 64 bytes of float32, one cache line
 
 
 @dataclass
@@ -478,7 +476,7 @@ def plan_arena(staged: StagedProgram) -> StagedProgram:
         for o, n in sorted(taken):
             if offset + size <= o:
                 break
-            offset = max(offset, _align(o + n))
+            offset = max(offset, align(o + n))
         placed.setdefault(dtype, []).append((offset, size, hi, lo))
         staged.slot_offsets[slot] = offset
     staged.arena_sizes = {d: max((o + n for o, n, _, _ in v), default=0) for d, v in placed.items()}
@@ -486,9 +484,6 @@ def plan_arena(staged: StagedProgram) -> StagedProgram:
                             for d in staged.arena_sizes}
     return staged
 
-
-def _align(n: int) -> int:
-    return (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
 
 
 # -- shared by the CUDA and CPU builders ------------------------------------------------------

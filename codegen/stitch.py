@@ -53,12 +53,16 @@ class Arena:
         if dtype not in self.buffers:
             self.buffers[dtype] = tirx.decl_buffer((tirx.Var(f"arena_{dtype}_n", "int64"),), dtype, name=f"arena_{dtype}")
             self.sizes[dtype] = 0
-        offset = _align(self.sizes[dtype])
+        offset = align(self.sizes[dtype])
         self.sizes[dtype] = offset + spec.size * count
         return BufferRef(self.buffers[dtype], offset, spec)
 
 
-def _align(n: int, elements: int = 16) -> int:
+ARENA_ALIGN = 16  # elements; 64 bytes of float32, one cache line
+
+
+def align(n: int, elements: int = ARENA_ALIGN) -> int:
+    """``n`` rounded up to a whole number of ``elements`` (where an arena tensor may start)."""
     return (n + elements - 1) // elements * elements
 
 
