@@ -19,37 +19,25 @@ measures its DRAM bytes read and written (caches flushed first).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 
 from souffle import models
-from souffle.runtime.artifact import KernelArtifact, Launcher
+from souffle.runtime.artifact import Launcher
+from souffle.runtime.check import Check, export
 
 
-def export(directory: Path, names: list[str], configs: list[str]) -> None:
-    import souffle
-
+def export_all(directory: Path, names: list[str], configs: list[str]) -> None:
     for config in configs:
         for name in names:
-            graph = models.build(name, config)
-            model = souffle.compile(graph, target="cuda")
             target = directory / f"{name}_{config}"
-            model.artifact(config=config, seed=0, archs=("sm_80",)).save(target)
-            inputs = models.make_inputs(name, config, seed=1)
-            expected = models.reference(name, config, graph.weights)(inputs)
-            np.savez(target / "inputs.npz", **inputs)
-            np.savez(target / "expected.npz", *expected)
-            rtol, atol = models.tolerance(name, config)
-            (target / "check.json").write_text(json.dumps({"rtol": rtol, "atol": atol, "report": str(model.report())}))
+            model = export(name, config, target)
             print(f"{target}: {model.kernel_count} kernel, {model.plan.stage_count()} stages, "
                   f"{model.plan.barrier_count()} barriers")
 
@@ -57,15 +45,10 @@ def export(directory: Path, names: list[str], configs: list[str]) -> None:
 NCU_METRICS = ["dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum"]
 
 
-def _inputs(target: Path, artifact: KernelArtifact) -> list[np.ndarray]:
-    inputs = dict(np.load(target / "inputs.npz"))
-    return [np.ascontiguousarray(inputs[slot.name]).reshape(-1) for slot in artifact.inputs]
-
-
 def once(target: Path) -> None:
     """Exactly one inference and nothing else on the GPU: the process ncu profiles."""
-    artifact = KernelArtifact.load(target)
-    Launcher(artifact).run(_inputs(target, artifact))
+    check = Check.load(target)
+    Launcher(check.artifact).run(check.inputs)
 
 
 def run(directory: Path, repeat: int, warmup: int, ncu: bool) -> None:
@@ -76,15 +59,12 @@ def run(directory: Path, repeat: int, warmup: int, ncu: bool) -> None:
     device = Device()
     rows = []
     for target in sorted(p for p in directory.iterdir() if (p / "manifest.json").exists()):
-        artifact = KernelArtifact.load(target)
-        check = json.loads((target / "check.json").read_text())
-        expected = list(np.load(target / "expected.npz").values())
+        check = Check.load(target)
+        artifact = check.artifact
         launcher = Launcher(artifact, device=device)
-        arrays = _inputs(target, artifact)
-        outputs = launcher.run(arrays)
-        errors = [float(np.max(np.abs(o - e))) for o, e in zip(outputs, expected)]
-        ok = all(np.allclose(o, e, rtol=check["rtol"], atol=check["atol"]) for o, e in zip(outputs, expected))
-        times = [t * 1e3 for t in launcher.benchmark(arrays, repeat=repeat, warmup=warmup)]
+        outputs = launcher.run(check.inputs)
+        errors, ok = check.errors(outputs), check.passes(outputs)
+        times = [t * 1e3 for t in launcher.benchmark(check.inputs, repeat=repeat, warmup=warmup)]
         rows.append({"model": artifact.model, "config": artifact.config, "device": device.name, "arch": device.arch,
                      "grid": launcher.grid, "blocks_per_sm": launcher.blocks_per_sm, "threads": artifact.threads,
                      "max_abs_error": max(errors), "check": "PASS" if ok else "FAIL",
@@ -119,7 +99,7 @@ def main() -> None:
     parser.add_argument("--ncu", action="store_true", help="also count launches and DRAM bytes with Nsight Compute")
     args = parser.parse_args()
     if args.step == "export":
-        export(args.directory, args.models, args.configs)
+        export_all(args.directory, args.models, args.configs)
     elif args.step == "once":
         once(args.directory)
     else:

@@ -163,6 +163,7 @@ def test_artifact_loads_and_rebuilds_weights_without_tvm(compiled, tmp_path):
         "        if name.split('.')[0] in ('tvm', 'torch'): raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "from souffle.runtime.artifact import KernelArtifact, Launcher\n"
+        "from souffle.runtime.check import Check\n"
         f"artifact = KernelArtifact.load({str(tmp_path / 'lstm')!r})\n"
         "print(len(artifact.weight_arrays()), sorted(artifact.cubins))\n"
     )
