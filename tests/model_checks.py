@@ -42,3 +42,10 @@ def check_init_weights_match_torch(model, cfg):
     again = model.init_weights(cfg, seed=0)
     assert all(np.array_equal(weights[k], again[k]) for k in weights)
     return weights
+
+
+def run_poisoned(model, inputs):
+    """Run a compiled model with its scratch arena full of NaN, so a read before its write shows up."""
+    for arena in model._arenas:
+        arena.copyfrom(np.full(arena.shape, np.nan, dtype=arena.dtype))
+    return model.run(inputs)

@@ -3,6 +3,7 @@ run of the very stages the CUDA kernel runs, checked against PyTorch and hand-bu
 
 import numpy as np
 import pytest
+from model_checks import run_poisoned
 from tvm import tirx
 
 import souffle
@@ -109,11 +110,9 @@ def _check_on_cpu(name, config, threads):
     graph = models.build(name, config)
     compiled = souffle.compile(graph, target="llvm-persistent", threads=threads)
     inputs = models.make_inputs(name, config, seed=1)
-    for arena in compiled._arenas:
-        arena.copyfrom(np.full(arena.shape, np.nan, dtype=arena.dtype))
     expected = models.reference(name, config, graph.weights)(inputs)
     rtol, atol = models.tolerance(name, config)
-    for got, want, out in zip(compiled.run(inputs), expected, graph.outputs):
+    for got, want, out in zip(run_poisoned(compiled, inputs), expected, graph.outputs):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=out)
 
 
@@ -141,9 +140,7 @@ def test_removing_a_needed_barrier_gives_wrong_results():
     def run(program):
         model = souffle.compiler.CompiledModel(graph, "llvm-persistent", None, program,
                                                llvm.build(llvm.staged_function(program, program.max_tiles)), {})
-        for arena in model._arenas:
-            arena.copyfrom(np.full(arena.shape, np.nan, dtype=arena.dtype))
-        return model.run(inputs)[0]
+        return run_poisoned(model, inputs)[0]
 
     np.testing.assert_allclose(run(staged), expected, rtol=1e-5, atol=1e-5)
     _by_name(staged)["y"].barrier = None

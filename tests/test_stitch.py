@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from model_checks import run_poisoned
 
 import souffle
 from codegen.schedule_cpu import schedule_cpu
@@ -15,13 +16,6 @@ RNG = np.random.default_rng(7)
 
 def _rand(*shape, scale=0.3):
     return (RNG.standard_normal(shape) * scale).astype("float32")
-
-
-def _run_poisoned(model, inputs):
-    """Run with the scratch arena full of NaN, so a read before its write shows up."""
-    for arena in model._arenas:
-        arena.copyfrom(np.full(arena.shape, np.nan, dtype=arena.dtype))
-    return model.run(inputs)
 
 
 def _cell_body(features=4):
@@ -71,7 +65,7 @@ def test_scan_with_carry_xs_ys_and_invariant_weight():
     graph = b.build(h_final, ys)
     model = souffle.compile(graph)
     inputs = {"xs": _rand(steps, 1, 4, scale=1.0), "h0": _rand(1, 4, scale=1.0)}
-    got_h, got_ys = _run_poisoned(model, inputs)
+    got_h, got_ys = run_poisoned(model, inputs)
     want_h, want_ys = _cell_reference(inputs["h0"], inputs["xs"], graph.weights["w"])
     np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_ys, want_ys, rtol=1e-5, atol=1e-5)
@@ -96,7 +90,7 @@ def test_nested_scans_layers_of_time_steps():
                                       ys=["time.h"], params={"w": ws})
     graph = b.build(final_seq, h_lasts)
     x = _rand(steps, 1, 4, scale=1.0)
-    got_seq, got_h = _run_poisoned(souffle.compile(graph), {"xs": x})
+    got_seq, got_h = run_poisoned(souffle.compile(graph), {"xs": x})
     seq_ref, h_ref = x, []
     for i in range(layers):
         h, seq_ref = _cell_reference(np.zeros((1, 4), "float32"), seq_ref, graph.weights[f"layer.{i}.w"])
