@@ -43,6 +43,7 @@ class DeviceModel:
     max_blocks_per_sm: int
     warp_size: int
     l2_bytes: int
+    launch_seconds: float  # what starting one more kernel costs; ``analysis.partition`` weighs splits by it
 
     def peak(self, dtype) -> float:
         """Peak FLOP/s for arithmetic in ``dtype``; a dtype the table lacks is refused, never guessed."""
@@ -57,6 +58,12 @@ class DeviceModel:
         """Arithmetic intensity (FLOP per byte) above which a kernel in ``dtype`` is compute-bound."""
         return self.peak(dtype) / self.mem_bandwidth
 
+
+# A kernel launch, as one more kernel in a stream costs end to end: about 3 us for a null kernel
+# "with recent hardware and software" (NVIDIA developer forums, "Too much time for kernel launch
+# latency", 2022: https://forums.developer.nvidia.com/t/too-much-time-for-kernel-launch-latency/233645/3).
+# It is the driver's and the host's cost more than the GPU's, so both GPUs get the same figure.
+KERNEL_LAUNCH_SECONDS = 3e-6
 
 # NVIDIA H200 SXM (GH100, compute capability 9.0). H200 datasheet: 4.8 TB/s HBM3e, FP32 67 TFLOP/s,
 # FP16 tensor core 1,979 TFLOP/s with 2:4 sparsity, i.e. 989.5 dense. H100 architecture whitepaper
@@ -80,6 +87,7 @@ H200 = DeviceModel(
     max_blocks_per_sm=32,
     warp_size=32,
     l2_bytes=50 * MiB,
+    launch_seconds=KERNEL_LAUNCH_SECONDS,
 )
 
 # NVIDIA A100 SXM4 40GB (GA100, compute capability 8.0). A100 datasheet: 1,555 GB/s HBM2, FP32
@@ -103,6 +111,7 @@ A100 = DeviceModel(
     max_blocks_per_sm=32,
     warp_size=32,
     l2_bytes=40 * MiB,
+    launch_seconds=KERNEL_LAUNCH_SECONDS,
 )
 
 _GPUS = {"h200": H200, "a100": A100}
@@ -132,7 +141,8 @@ def local_cpu() -> DeviceModel:
     no CPU path here computes fp16 faster.
     Bandwidth is measured (``measure_copy_bandwidth``). A core plays an SM: its private L2 stands
     for shared memory, the last-level cache for the GPU's L2, its vector register file (in 32-bit
-    words) for registers, and its SIMD lanes for a warp; a block is one thread on one core.
+    words) for registers, and its SIMD lanes for a warp; a block is one thread on one core. A
+    kernel is a function call, so a launch costs nothing worth modelling (``launch_seconds`` 0).
     Without /proc/cpuinfo the model string is ``platform.processor()`` and the clock
     ``DEFAULT_CPU_CLOCK_HZ``.
     """
@@ -162,6 +172,7 @@ def local_cpu() -> DeviceModel:
         max_blocks_per_sm=1,
         warp_size=lanes,
         l2_bytes=caches[max(caches)] if caches else 0,
+        launch_seconds=0.0,
     )
 
 

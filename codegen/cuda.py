@@ -1,4 +1,5 @@
-"""The staged program as ONE persistent, grid-synchronized CUDA kernel.
+"""The staged program as ONE persistent, grid-synchronized CUDA kernel (or, where the opt
+level or the partition starts new kernels, one kernel per subprogram).
 
 ``persistent_kernel`` wraps every stage in a single ``blockIdx.x`` binding over a grid whose
 size is a kernel argument: each stage walks its tiles ``block, block + grid, ...``, a
@@ -7,19 +8,30 @@ size is a kernel argument: each stage walks its tiles ``block, block + grid, ...
 every block. TVM lowers the one PrimFunc to one ``__global__`` function; its registers and
 shared memory, read back from ptxas, give the co-resident grid on a device model
 (``co_resident_grid``), and a kernel that cannot be co-resident is refused with the numbers.
+
+Where stages start new kernels (``Stage.launch``), ``kernel_plan`` makes each run of stages
+between two starts a kernel of its own, and a loop with a kernel start inside runs on the
+host (``HostLoop``), its kernels taking the loop counters as arguments.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tvm
 from tvm import tirx
 
 from analysis.device import DeviceModel
-from codegen.schedule import THREADS
-from codegen.staging import Loop, StagedProgram, seq, slot_views, tiled_stage
+from codegen.schedule import THREADS, WARP
+from codegen.staging import (
+    Loop,
+    StagedProgram,
+    on_chip_loads,
+    seq,
+    slot_views,
+    tiled_stage,
+)
 from souffle.errors import TargetError
 
 KERNEL_NAME = "main_kernel"
@@ -32,44 +44,154 @@ def _grid_sync() -> tirx.Stmt:
     return tirx.Evaluate(tirx.call_intrin("", "tirx.cuda.grid_sync"))
 
 
-def _statements(items: list, block: tirx.Var, grid: tirx.Var) -> list[tirx.Stmt]:
+def _block_sync() -> tirx.Stmt:
+    return tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
+
+
+def _thread_loop(var: tirx.Var, extent: int, tag: str, body: tirx.Stmt) -> tirx.Stmt:
+    binding = tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
+    return tirx.For(var, 0, extent, tirx.ForKind.THREAD_BINDING, body, thread_binding=binding)
+
+
+def _block_threads(threads: int):
+    """``elements(n, body)`` for ``on_chip_loads``: element e = (i * warps + warp) * 32 + lane."""
+    def elements(n: int, body) -> tirx.Stmt:
+        warp, lane, i = tirx.Var("ty", "int32"), tirx.Var("tx", "int32"), tirx.Var("i", "int32")
+        e = i * threads + warp * WARP + lane
+        rounds = tirx.For(i, 0, -(-n // threads), tirx.ForKind.SERIAL, tirx.IfThenElse(e < n, body(e), None))
+        return _thread_loop(warp, threads // WARP, "threadIdx.y", _thread_loop(lane, WARP, "threadIdx.x", rounds))
+    return elements
+
+
+def _on_chip(load):
+    return load.buffer, 0
+
+
+def _statements(items: list, block: tirx.Var, grid: tirx.Var, threads: int) -> list[tirx.Stmt]:
     stmts: list[tirx.Stmt] = []
     for item in items:
         if isinstance(item, Loop):
             if item.barrier is not None:
                 stmts.append(_grid_sync())
+            if item.loads:
+                stmts += [on_chip_loads(load, load.buffer, block, grid, 0, _block_threads(threads)) for load in item.loads]
+                stmts.append(_block_sync())
             stmts.append(tirx.For(item.var, 0, item.trips, tirx.ForKind.SERIAL,
-                                  seq(_statements(item.items, block, grid))))
+                                  seq(_statements(item.items, block, grid, threads))))
             continue
         if item.barrier is not None:
             stmts.append(_grid_sync())
-        stmts.append(tiled_stage(item, block, grid))
+        stmts.append(tiled_stage(item, block, grid, _on_chip))
     return stmts
 
 
-def persistent_kernel(staged: StagedProgram) -> tirx.PrimFunc:
-    """The whole staged program as one PrimFunc with one ``blockIdx.x`` binding."""
+def persistent_kernel(staged: StagedProgram, items: list | None = None, counters: tuple = (),
+                      name: str = "main") -> tirx.PrimFunc:
+    """``items`` (by default the whole staged program) as one PrimFunc with one ``blockIdx.x``
+    binding; ``counters`` are the host loops' variables, passed as arguments."""
     block = tirx.Var("block", "int32")
     grid = tirx.Var(GRID_PARAM, "int32")
-    body = seq(slot_views(staged) + _statements(staged.items, block, grid))
+    items = staged.items if items is None else items
+    on_chip = [tirx.AllocBuffer(load.buffer) for loop in _loops(items) for load in loop.loads]
+    body = seq(on_chip + slot_views(staged) + _statements(items, block, grid, staged.threads))
     binding = tirx.IterVar(tvm.ir.Range(0, grid), block, tirx.IterVar.ThreadIndex, "blockIdx.x")
     loop = tirx.For(block, 0, grid, tirx.ForKind.THREAD_BINDING, body, thread_binding=binding)
-    return tirx.PrimFunc(staged.parameters() + [grid], loop).with_attr("global_symbol", "main")
+    return tirx.PrimFunc(staged.parameters() + list(counters) + [grid], loop).with_attr("global_symbol", name)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Launch kernel ``kernel`` (cooperatively when it synchronizes the grid inside)."""
+
+    kernel: str
+    cooperative: bool
+    max_tiles: int  # the widest stage's tiles: more blocks than that would idle
+    dynamic_shared: int = 0  # bytes of dynamic shared memory per block (on-chip weights)
+    min_grid: int = 1  # fewer blocks would leave on-chip weight slices unloaded
+
+
+@dataclass(frozen=True)
+class HostLoop:
+    """A loop the host runs, its counter ``counter`` passed to the kernels it launches."""
+
+    counter: str
+    trips: int
+    body: tuple
+
+
+@dataclass
+class KernelPlan:
+    """The kernels of a staged program, and the order the host launches them in."""
+
+    funcs: dict[str, tirx.PrimFunc] = field(default_factory=dict)
+    launches: list = field(default_factory=list)
+
+    @property
+    def kernel_names(self) -> list[str]:
+        return [f"{name}_kernel" for name in self.funcs]
+
+
+def kernel_plan(staged: StagedProgram) -> KernelPlan:
+    """One kernel per run of items between kernel starts; a loop with a kernel start inside
+    becomes a host loop. A program without kernel starts is one kernel, ``main``."""
+    plan = KernelPlan()
+    many = staged.kernel_count() > 1
+
+    def kernels(items: list, counters: tuple) -> list:
+        launches, run = [], []
+
+        def close():
+            if run:
+                name = f"k{len(plan.funcs)}" if many else "main"
+                plan.funcs[name] = persistent_kernel(staged, list(run), counters, name)
+                stages = list(_stages(run))
+                on_chip = sum(load.bytes for loop in _loops(run) for load in loop.loads)
+                launches.append(Launch(name, any(s.barrier is not None for s in _items(run)),
+                                       max(s.schedule.n_tiles for s in stages), on_chip,
+                                       staged.min_grid if on_chip else 1))
+                run.clear()
+
+        for item in items:
+            if isinstance(item, Loop) and item.on_host:
+                close()
+                body = kernels(item.items, counters + (item.var,))
+                launches.append(HostLoop(item.var.name, item.trips, tuple(body)))
+                continue
+            if item.launch is not None:
+                close()
+            run.append(item)
+        close()
+        return launches
+
+    plan.launches = kernels(staged.items, ())
+    return plan
+
+
+def _items(items):
+    for item in items:
+        yield item
+        if isinstance(item, Loop):
+            yield from _items(item.items)
+
+
+def _stages(items):
+    return (item for item in _items(items) if not isinstance(item, Loop))
 
 
 def cuda_target(arch: str) -> tvm.target.Target:
     return tvm.target.Target({"kind": "cuda", "arch": arch})
 
 
-def cuda_source(func: tirx.PrimFunc, arch: str) -> str:
+def cuda_source(funcs: tirx.PrimFunc | dict, arch: str) -> str:
     """TVM's CUDA code for the kernel (no GPU needed: TVM emits source, nvcc compiles it later).
 
     ``tirx.merge_static_smem`` makes TVM pool the stages' shared-memory buffers by liveness
     (the kernel needs the most any stage needs, not the sum); its TVM 0.27 implementation
     fails on a block-wide all-reduce, which is why reductions stay within a warp.
     """
+    funcs = funcs if isinstance(funcs, dict) else {"main": funcs}
     with tvm.transform.PassContext(config={"tirx.merge_static_smem": True}):
-        executable = tvm.compile(tvm.IRModule({"main": func}), target=cuda_target(arch))
+        executable = tvm.compile(tvm.IRModule(funcs), target=cuda_target(arch))
     return executable.mod.imports[0].inspect_source()
 
 
@@ -78,11 +200,11 @@ def kernel_count(source: str) -> int:
     return len(re.findall(r"__global__[^;{]*\{", source))
 
 
-def kernel_signature(source: str) -> list[tuple[str, str]]:
-    """(C type, name) of each parameter of the kernel's definition, in order."""
-    match = re.search(rf"__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s+)?{KERNEL_NAME}\s*\(([^)]*)\)\s*{{", source)
+def kernel_signature(source: str, kernel: str = KERNEL_NAME) -> list[tuple[str, str]]:
+    """(C type, name) of each parameter of ``kernel``'s definition, in order."""
+    match = re.search(rf"__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s+)?{kernel}\s*\(([^)]*)\)\s*{{", source)
     if match is None:
-        raise TargetError(f"no definition of {KERNEL_NAME} in the generated CUDA source")
+        raise TargetError(f"no definition of {kernel} in the generated CUDA source")
     params = []
     for text in match.group(1).split(","):
         words = text.replace("__restrict__", " ").replace("*", " * ").split()
@@ -90,16 +212,21 @@ def kernel_signature(source: str) -> list[tuple[str, str]]:
     return params
 
 
-def argument_order(source: str, staged: StagedProgram) -> list[str]:
-    """The kernel's parameters as our buffer names (and ``grid_size``), in the order TVM chose."""
-    known = {b.name for b in staged.parameters()}
+def argument_order(source: str, staged: StagedProgram, kernel: str = KERNEL_NAME) -> list[str]:
+    """The kernel's parameters as our buffer names, loop counters and ``grid_size``, in the
+    order TVM chose."""
+    known = {b.name for b in staged.parameters()} | {loop.var.name for loop in _loops(staged.items)}
     order = []
-    for _, name in kernel_signature(source):
+    for _, name in kernel_signature(source, kernel):
         base = name.removesuffix("_ptr")
         if base not in known and base != GRID_PARAM:
             raise TargetError(f"kernel parameter {name!r} matches no buffer of the staged program")
         order.append(base)
     return order
+
+
+def _loops(items):
+    return (item for item in _items(items) if isinstance(item, Loop))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,15 @@ import tvm
 
 from codegen.cpu_math import register_llvm_math
 from codegen.cpu_transforms import hoist_scan_projections, pack_weights
-from codegen.staging import Loop, StagedProgram, seq, slot_views, tiled_stage
+from codegen.staging import (
+    Loop,
+    StagedProgram,
+    on_chip_loads,
+    seq,
+    slot_views,
+    synchronized,
+    tiled_stage,
+)
 from souffle.graph import Graph
 
 
@@ -55,26 +63,41 @@ def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
     """
     from tvm import tirx
 
+    # Each block's on-chip weight copies, side by side in one buffer per load.
+    copies = {id(load): tirx.decl_buffer((grid * load.slots * load.per_tile,), load.buffer.dtype,
+                                         name=f"{load.buffer.name}_cpu") for load in staged.on_chip}
+
+    def on_chip(block):
+        return lambda load: (copies[id(load)], block * (load.slots * load.per_tile))
+
+    def serial(n, body):
+        e = tirx.Var("e", "int64")
+        return tirx.For(e, 0, n, tirx.ForKind.SERIAL, body(e))
+
     def phases(items) -> list[tirx.Stmt]:
         stmts, run = [], []
 
         def close():
             if run:
                 block = tirx.Var("block", "int32")
-                body = seq([tiled_stage(stage, block, tirx.const(grid, "int32")) for stage in run])
+                body = seq([tiled_stage(stage, block, tirx.const(grid, "int32"), on_chip(block)) for stage in run])
                 stmts.append(tirx.For(block, 0, grid, tirx.ForKind.SERIAL, body))
                 run.clear()
 
         for item in items:
             if isinstance(item, Loop):
-                close()
+                close()  # a loop starts its own stretch: its iterations run one after another
+                for load in item.loads:
+                    block = tirx.Var("block", "int32")
+                    copy = on_chip_loads(load, copies[id(load)], block, grid, on_chip(block)(load)[1], serial)
+                    stmts.append(tirx.For(block, 0, grid, tirx.ForKind.SERIAL, copy))
                 stmts.append(tirx.For(item.var, 0, item.trips, tirx.ForKind.SERIAL, seq(phases(item.items))))
                 continue
-            if item.barrier is not None:
+            if synchronized(item):
                 close()
             run.append(item)
         close()
         return stmts
 
-    body = seq(slot_views(staged) + phases(staged.items))
+    body = seq([tirx.AllocBuffer(b) for b in copies.values()] + slot_views(staged) + phases(staged.items))
     return tirx.PrimFunc(staged.parameters(), body).with_attr("global_symbol", "main")

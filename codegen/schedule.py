@@ -20,6 +20,15 @@ Templates, chosen from the block's iterators (never from an op's name):
 - ``thread_reduce``: enough outputs to give every thread of the grid its own (GEMMs,
   convolutions): one output per thread, ``THREADS`` per tile, the reduction serial.
 
+A stage may carry an *epilogue*: the one element-wise consumer of its reduction, computed in
+the same tile so the reduction's result never goes to global memory (``epilogue_mode``):
+
+- ``register``: the consumer reads each result at its own index; it runs in the thread that
+  holds the result, straight from registers (a GEMM's bias and activation);
+- ``shared``: the consumer reads several results of the same tile (the LSTM cell reads the
+  four gates of its unit); the tile's results go to shared memory and the block's threads
+  compute the tile's part of the consumer after a ``__syncthreads``.
+
 The same split is made for the CPU (``gpu=False``) without binding threads, so the CPU runs
 exactly the tiles the GPU runs.
 """
@@ -36,7 +45,7 @@ from souffle.errors import SouffleError
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
 WARP = 32
-WARP_REDUCE_MIN_EXTENT = 64  # shorter reductions leave most of a warp's lanes idle
+WARP_REDUCE_MIN_EXTENT = 32  # shorter reductions leave lanes of the warp idle
 GRID_WAVE = 132 * 2  # tiles that keep a full GPU busy (H200: 132 SMs, two blocks each)
 
 
@@ -87,11 +96,28 @@ def choose_template(spatial: int, reduction: int, threads: int = THREADS) -> str
     return "thread_reduce"
 
 
-def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS) -> tuple[tirx.PrimFunc, StageSchedule]:
-    """Tile the one block of ``func`` (a single TE from ``te.create_prim_func``) for blocks of
-    ``threads`` threads; ``gpu`` binds the tile and thread loops, the CPU runs them serially."""
+def tiling(outputs: int, reduction: int, threads: int = THREADS) -> tuple[str, int]:
+    """(template, output elements per tile) for a stage of that shape."""
+    template = choose_template(outputs, reduction, threads)
+    if template == "elementwise":
+        return template, (4 if outputs >= 4 * threads * GRID_WAVE else 1) * threads
+    return template, threads // WARP if template == "warp_reduce" else threads
+
+
+def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
+                   epilogue_mode: str | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
+    """Tile the block of ``func`` (a single TE from ``te.create_prim_func``, or a reduction and
+    its epilogue, see ``epilogue_mode``) for blocks of ``threads`` threads; ``gpu`` binds the
+    tile and thread loops, the CPU runs them serially."""
     sch = s_tir.Schedule(func)
-    block = _only_block(sch)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    if epilogue_mode is None:
+        block = _only_block(sch)
+    elif len(blocks) != 2 or epilogue_mode not in ("register", "shared"):
+        raise ScheduleError(f"an epilogue stage is a reduction and its consumer, 'register' or 'shared'; "
+                            f"got {len(blocks)} blocks and {epilogue_mode!r}")
+    else:
+        block = blocks[0]
     loops = sch.get_loops(block)
     kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
     n_spatial = sum(1 for k in kinds if k == tirx.IterVar.DataPar)
@@ -101,27 +127,48 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS) -> tu
     spatial_loops, reduce_loops = loops[:n_spatial], loops[n_spatial:]
     outputs = _product(_extent(sch, loop) for loop in spatial_loops)
     reduction = _product(_extent(sch, loop) for loop in reduce_loops)
-    template = choose_template(outputs, reduction, threads)
+    template, per_tile = tiling(outputs, reduction, threads)
     fused = sch.fuse(*spatial_loops) if len(spatial_loops) > 1 else (spatial_loops[0] if spatial_loops else sch.add_unit_loop(block))
     warps = threads // WARP
     if template == "elementwise":
-        unroll = 4 if outputs >= 4 * threads * GRID_WAVE else 1
-        tile, _, warp, lane = sch.split(fused, [None, unroll, warps, WARP])
-        per_tile = unroll * threads
+        tile, _, warp, lane = sch.split(fused, [None, per_tile // threads, warps, WARP])
+        holder = lane
     elif template == "warp_reduce":
         tile, warp = sch.split(fused, [None, warps])
-        per_tile = warps
         r = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
         _, lane = sch.split(r, [None, WARP])
+        holder = warp
     else:
         tile, warp, lane = sch.split(fused, [None, warps, WARP])
-        per_tile = threads
+        holder = lane
     if gpu:
         sch.bind(tile, "blockIdx.x")
         sch.bind(warp, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
+    if epilogue_mode is not None:
+        _place_epilogue(sch, block, blocks[1], epilogue_mode, tile, holder, template, gpu)
     n_tiles = -(-outputs // per_tile)
     return sch.mod["main"], StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch))
+
+
+def _place_epilogue(sch: s_tir.Schedule, producer, epilogue, mode: str, tile, holder, template: str, gpu: bool):
+    """Compute the epilogue inside the producer's tile: in the thread holding each result
+    (``register``), or by the whole block from shared memory (``shared``)."""
+    if mode == "register":
+        sch.reverse_compute_at(epilogue, holder)
+        sch.set_scope(producer, 0, "local")
+        return
+    if template != "warp_reduce":
+        raise ScheduleError(f"a shared-memory epilogue needs a warp_reduce producer, not {template}: "
+                            "a thread_reduce one would synchronize the block at every reduction step")
+    sch.reverse_compute_at(epilogue, tile)
+    inner = sch.get_loops(epilogue)[1:]
+    fused = sch.fuse(*inner) if len(inner) > 1 else (inner[0] if inner else sch.add_unit_loop(epilogue))
+    warp, lane = sch.split(fused, [None, WARP])
+    if gpu:
+        sch.bind(warp, "threadIdx.y")
+        sch.bind(lane, "threadIdx.x")
+        sch.set_scope(producer, 0, "shared")
 
 
 def _shared_bytes(sch: s_tir.Schedule) -> int:

@@ -432,19 +432,17 @@ def _vector_dim_last(sch: s_tir.Schedule, block, info: _BlockInfo, axis: int):
 
 def _inline_epilogues(sch: s_tir.Schedule, write_back):
     """Fold element-wise consumers (bias, activation, a transposing copy) into the tile's
-    write-back, so the result is stored once, already in its final form."""
-    changed = True
-    while changed:
-        changed = False
-        for consumer in sch.get_consumers(write_back):
-            if _is_reduction(sch, consumer):
-                continue
-            try:
-                sch.reverse_compute_inline(consumer)
-                changed = True
-                break
-            except s_tir.ScheduleError:
-                continue
+    write-back, so the result is stored once, already in its final form. Only a sole
+    consumer: inlining redirects the store to its output, so any other consumer (e.g. the
+    slices of a horizontally fused GEMM) would read a buffer nothing writes."""
+    while True:
+        consumers = sch.get_consumers(write_back)
+        if len(consumers) != 1 or _is_reduction(sch, consumers[0]):
+            return
+        try:
+            sch.reverse_compute_inline(consumers[0])
+        except s_tir.ScheduleError:
+            return
 
 
 def _vectorize_innermost(sch: s_tir.Schedule, block):

@@ -25,11 +25,17 @@ from dataclasses import dataclass, field
 
 import islpy as isl
 import numpy as np
+import tvm
 from tvm import te, tirx
 
 from analysis.affine import Rewriter
-from analysis.dependence import IslWriter, NotAffine, access_relations
-from codegen.schedule import THREADS, StageSchedule, schedule_stage
+from analysis.dependence import (
+    IslWriter,
+    NotAffine,
+    access_relations,
+    element_dependences,
+)
+from codegen.schedule import THREADS, StageSchedule, schedule_stage, tiling
 from codegen.stitch import BufferRef, Stitcher, align, c_name
 from souffle.errors import GraphError
 from souffle.graph import TensorSpec
@@ -48,6 +54,18 @@ class Stage:
     reads: list[BufferRef]
     write: BufferRef
     barrier: str | None = None  # why a grid barrier precedes this stage; None: no barrier
+    launch: str | None = None  # why a new kernel starts at this stage; None: same kernel
+    epilogue: str | None = None  # 'register' or 'shared': ``tensor`` is a reduction's consumer fused into it
+    on_chip: dict = field(default_factory=dict)  # read index -> OnChip: that weight is read from shared memory
+
+    def read_relation(self, placeholder: te.Tensor) -> tuple[isl.Map, bool]:
+        """Output element -> the elements of ``placeholder`` it reads (through the fused
+        reduction for an epilogue stage), and whether that relation is exact."""
+        if self.epilogue is None:
+            access = access_relations(self.tensor)[placeholder.op]
+            return access.spatial, access.exact
+        dependence = element_dependences(self.tensor, placeholder)
+        return dependence.relation, dependence.exact
 
 
 @dataclass
@@ -59,6 +77,13 @@ class Loop:
     trips: int
     items: list
     barrier: str | None = None  # why a grid barrier precedes the loop; None: no barrier
+    launch: str | None = None  # why a new kernel starts at the loop; None: same kernel
+    loads: list = field(default_factory=list)  # OnChip weights each block loads before the loop
+
+    @property
+    def on_host(self) -> bool:
+        """Whether a kernel starts inside the loop, so that the host runs it and launches its kernels."""
+        return any(item.launch is not None or (isinstance(item, Loop) and item.on_host) for item in self.items)
 
 
 @dataclass
@@ -73,11 +98,25 @@ class StagedProgram:
     output_buffers: list[tirx.Buffer]
     outputs: list[TensorSpec]
     threads: int
-    weight_sources: dict[str, list[str]] = field(default_factory=dict)  # weight -> model weights (several: stacked)
+    weight_recipes: dict[str, list] = field(default_factory=dict)  # weight -> how it is made (souffle.recipe)
     slots: dict = field(default_factory=dict)  # slot buffer -> (dtype, elements)
     slot_offsets: dict = field(default_factory=dict)  # slot buffer -> element offset in its arena
     arena_sizes: dict[str, int] = field(default_factory=dict)  # dtype -> elements
     arena_buffers: dict[str, tirx.Buffer] = field(default_factory=dict)
+    level: int = 4  # the opt level that staged it (``codegen.transform``)
+    transforms: list[str] = field(default_factory=list)  # what the program's transformations did
+    partition: object = None  # ``analysis.partition.Partition`` (O3 and O4)
+    on_chip_notes: list[str] = field(default_factory=list)  # weights kept on chip, or why not
+    min_grid: int = 1  # a launch with fewer blocks would leave on-chip weight slices unloaded
+
+    @property
+    def on_chip(self) -> list:
+        return [load for loop in _all_loops(self.items) for load in loop.loads]
+
+    @property
+    def on_chip_bytes(self) -> int:
+        """Dynamic shared memory per block for the on-chip weights."""
+        return sum(load.bytes for load in self.on_chip)
 
     def parameters(self) -> list[tirx.Buffer]:
         """The buffers the program takes, in order: inputs, weights, outputs, arenas."""
@@ -94,6 +133,11 @@ class StagedProgram:
     def stage_count(self, executed: bool = False) -> int:
         return _count(self.items, lambda s: isinstance(s, Stage), executed)
 
+    def kernel_count(self, executed: bool = False) -> int:
+        """Kernels in the code, or (``executed``) launched per inference."""
+        first = next(iter(self.items), None)
+        return _count(self.items, lambda s: s.launch is not None, executed) + int(first is not None and first.launch is None)
+
     @property
     def max_tiles(self) -> int:
         return max(s.schedule.n_tiles for s in self.stages())
@@ -104,13 +148,16 @@ class StagedProgram:
 
     def table(self) -> str:
         """One line per stage: its tiling and why a barrier precedes it."""
-        head = (f"staged program {self.name}: {self.stage_count()} stages, {self.barrier_count()} grid barriers "
+        head = (f"staged program {self.name}: {self.stage_count()} stages, {self.kernel_count()} kernels "
+                f"({self.kernel_count(executed=True)} launched), {self.barrier_count()} grid barriers "
                 f"({self.barrier_count(executed=True)} executed), arena {self.arena_bytes / 1e6:.3f} MB")
         lines = [head]
 
         def emit(items, depth):
             for item in items:
                 pad = "  " * depth
+                if item.launch:
+                    lines.append(f"{pad}== new kernel: {item.launch}")
                 if item.barrier:
                     lines.append(f"{pad}-- grid barrier: {item.barrier}")
                 if isinstance(item, Loop):
@@ -123,6 +170,18 @@ class StagedProgram:
         return "\n".join(lines)
 
     __str__ = table
+
+
+def _all_loops(items):
+    for item in items:
+        if isinstance(item, Loop):
+            yield item
+            yield from _all_loops(item.items)
+
+
+def synchronized(item) -> bool:
+    """Whether every block waits for all others before ``item``: a grid barrier or a new kernel."""
+    return item.barrier is not None or item.launch is not None
 
 
 def _walk(items):
@@ -178,13 +237,70 @@ def isolate(tensor: te.Tensor) -> tuple[te.Tensor, list[te.Tensor]]:
     return staged, [holders[t.op] for t in inputs]
 
 
+def isolate_epilogue(producer: te.Tensor, consumer: te.Tensor) -> tuple[te.Tensor, list[te.Tensor], list[te.Tensor]]:
+    """``consumer`` and the reduction ``producer`` it alone reads, as one TE graph over fresh
+    placeholders: (the consumer, its placeholders, the tensors they stand for)."""
+    outside = list(dict.fromkeys([t for t in producer.op.input_tensors]
+                                 + [t for t in consumer.op.input_tensors if not t.op.same_as(producer.op)]))
+    holders = {t.op: te.placeholder(t.shape, t.dtype, name=f"{t.op.name}_in") for t in outside}
+    inner = _over(producer, lambda t, idx: holders[t.op](*idx))
+    staged = _over(consumer, lambda t, idx: (inner if t.op.same_as(producer.op) else holders[t.op])(*idx))
+    return staged, [holders[t.op] for t in outside], outside
+
+
+def _over(tensor: te.Tensor, load) -> te.Tensor:
+    op = tensor.op
+    reduce_axes = {ax.var: te.reduce_axis(ax.dom, ax.var.name) for ax in op.reduce_axis}
+
+    def body(*axes):
+        variables = dict(zip([ax.var for ax in op.axis], axes))
+        variables.update({old: new.var for old, new in reduce_axes.items()})
+        return Rewriter(variables, f"staging {op.name}", load, reduce_axes)(op.body[0])
+
+    return te.compute(tensor.shape, body, name=op.name, tag=op.tag, varargs_names=[ax.var.name for ax in op.axis])
+
+
+def epilogue_mode(producer: te.Tensor, consumer: te.Tensor, threads: int) -> str | None:
+    """How ``consumer`` (element-wise, the only reader of the reduction ``producer``) can run in
+    the producer's tiles: 'register' when it reads each result at its own index, 'shared'
+    when each of its tiles reads only the same-numbered producer tile; None otherwise."""
+    if consumer.op.reduce_axis or len(consumer.op.body) != 1 or len(producer.op.body) != 1:
+        return None
+    access = access_relations(consumer)[producer.op]
+    if not access.exact:
+        return None
+    relation = access.spatial
+    names = ", ".join(f"a{k}" for k in range(len(consumer.shape)))
+    bounds = " and ".join(f"0 <= a{k} < {int(d)}" for k, d in enumerate(consumer.shape)) or "true"
+    if not isl.Set(f"{{ {relation.get_tuple_name(isl.dim_type.in_)}[{names}] : {bounds} }}").is_subset(relation.domain()):
+        return None  # elements that read no result (padding) would belong to no tile
+    shape = [int(d) for d in producer.shape]
+    if [int(d) for d in consumer.shape] == shape:
+        names = ", ".join(f"a{k}" for k in range(len(shape)))
+        source, target = relation.get_tuple_name(isl.dim_type.in_), relation.get_tuple_name(isl.dim_type.out)
+        if relation.is_subset(isl.Map(f"{{ {source}[{names}] -> {target}[{names}] }}")):
+            return "register"
+    outputs = int(np.prod(shape))
+    analyzer = tvm.sym.Analyzer()
+    reduction = int(np.prod([int(analyzer.simplify(ax.dom.extent)) for ax in producer.op.reduce_axis]))
+    template, per_tile = tiling(outputs, reduction, threads)
+    consumer_size = int(np.prod([int(d) for d in consumer.shape]))
+    if template != "warp_reduce" or (per_tile * consumer_size) % outputs:
+        return None
+    reads = _tiles_of(relation.get_tuple_name(isl.dim_type.in_), consumer.shape, per_tile * consumer_size // outputs, "R")
+    writes = _tiles_of(relation.get_tuple_name(isl.dim_type.out), producer.shape, per_tile, "W")
+    cross = reads.reverse().apply_range(relation).apply_range(writes)
+    return "shared" if cross.is_subset(isl.Map("{ R[t] -> W[t] }")) else None
+
+
 class _Stager(Stitcher):
     """The stitcher's memory placement, with regions and copies emitted as stages."""
 
-    def __init__(self, graph, gpu: bool, threads: int):
+    def __init__(self, graph, gpu: bool, threads: int, epilogues: bool):
         super().__init__(graph, None, SlotArena())
         self.gpu = gpu
         self.threads = threads
+        self.epilogues = epilogues
         self.names: dict[str, int] = {}
 
     def unique(self, name: str) -> str:
@@ -193,9 +309,28 @@ class _Stager(Stitcher):
         return name if n == 0 else f"{name}:{n + 1}"
 
     def stage(self, name: str, tensor: te.Tensor, placeholders: list[te.Tensor], reads: list[BufferRef],
-              write: BufferRef) -> Stage:
-        func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), self.gpu, self.threads)
-        return Stage(self.unique(name), tensor, placeholders, func, schedule, reads, write)
+              write: BufferRef, epilogue: str | None = None) -> Stage:
+        func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), self.gpu, self.threads, epilogue)
+        return Stage(self.unique(name), tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
+
+    def fusions(self, region: Region) -> dict:
+        """Consumer op -> (its reduction, mode) for every reduction fused with its one reader."""
+        if not self.epilogues:
+            return {}
+        kept = {t.op for t in region.output_tensors}
+        readers: dict = {}
+        for tensor in region.stages():
+            for producer in tensor.op.input_tensors:
+                readers.setdefault(producer.op, []).append(tensor)
+        fused: dict = {}
+        for tensor in region.stages():
+            users = readers.get(tensor.op, [])
+            if not tensor.op.reduce_axis or tensor.op in kept or len(users) != 1 or tensor.op in fused:
+                continue
+            mode = epilogue_mode(tensor, users[0], self.threads)
+            if mode is not None:
+                fused[users[0].op] = (tensor, mode)
+        return fused
 
     def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
         self.region_count += 1
@@ -205,15 +340,26 @@ class _Stager(Stitcher):
             placed[region.tensors[name].op] = self.resolve(refs, name)
         for name in region.outputs:
             placed[region.tensors[name].op] = refs[name]
+        fusions = self.fusions(region)
+        producers = {producer.op for producer, _ in fusions.values()}
         stages = []
         for tensor in region.stages():
+            if tensor.op in producers:
+                continue
             if tensor.op not in placed:
                 spec = TensorSpec(name_of.get(tensor.op, tensor.op.name), tuple(int(d) for d in tensor.shape),
                                   str(tensor.dtype))
                 placed[tensor.op] = self.arena.alloc(spec)
+            label = f"{region.name}/{name_of.get(tensor.op, tensor.op.name)}"
+            if tensor.op in fusions:
+                producer, mode = fusions[tensor.op]
+                staged, placeholders, outside = isolate_epilogue(producer, tensor)
+                label = f"{region.name}/{name_of.get(producer.op, producer.op.name)}+{name_of.get(tensor.op, tensor.op.name)}"
+                stages.append(self.stage(label, staged, placeholders, [placed[t.op] for t in outside],
+                                         placed[tensor.op], mode))
+                continue
             staged, placeholders = isolate(tensor)
             reads = [placed[t.op] for t in tensor.op.input_tensors]
-            label = f"{region.name}/{name_of.get(tensor.op, tensor.op.name)}"
             stages.append(self.stage(label, staged, placeholders, reads, placed[tensor.op]))
         return stages
 
@@ -226,15 +372,17 @@ class _Stager(Stitcher):
         return Loop(name, var, trips, body)
 
 
-def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS) -> StagedProgram:
+def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS, epilogues: bool = False) -> StagedProgram:
     """The program as stages of one persistent kernel with blocks of ``threads`` threads, tiled
-    for the GPU (or, with the same tiles, for the CPU); barriers and arena layout come next."""
-    stager = _Stager(program.graph, gpu, threads)
+    for the GPU (or, with the same tiles, for the CPU); ``epilogues`` fuses each reduction
+    with its one element-wise reader where the reader's tiles need only the reduction's
+    (``epilogue_mode``). Barriers and arena layout come next."""
+    stager = _Stager(program.graph, gpu, threads, epilogues)
     items, inputs, outputs = stager.whole(program)
     weights, weight_buffers = stager.weights()
     staged = StagedProgram(program.graph.name, items, inputs, weights, weight_buffers, outputs,
                            program.graph.output_specs(), threads, slots=dict(stager.arena.slots),
-                           weight_sources={spec.name: stager.stacks.get(spec.name, [spec.name]) for spec, _ in weights})
+                           weight_recipes={spec.name: stager.weight_recipe(spec.name) for spec, _ in weights})
     names = [b.name for b in staged.parameters()]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
@@ -326,7 +474,7 @@ def _tiles_of(tuple_name: str, shape, per_tile: int, tile_tuple: str) -> isl.Map
 
 def same_block(reader: Stage, placeholder: te.Tensor, writer: Stage) -> bool:
     """Every element ``reader``'s tile t reads of ``placeholder`` was written by ``writer``'s tile t."""
-    access = access_relations(reader.tensor)[placeholder.op].spatial
+    access, _ = reader.read_relation(placeholder)
     reads = _tiles_of(access.get_tuple_name(isl.dim_type.in_), reader.tensor.shape, reader.schedule.per_tile, "R")
     writes = _tiles_of(access.get_tuple_name(isl.dim_type.out), placeholder.shape, writer.schedule.per_tile, "W")
     cross = reads.reverse().apply_range(access).apply_range(writes)
@@ -418,6 +566,149 @@ def place_barriers(staged: StagedProgram) -> StagedProgram:
     return staged
 
 
+# -- what the opt levels below O4 synchronize ---------------------------------------------------
+def kernel_per_stage(staged: StagedProgram, why: str) -> StagedProgram:
+    """Every stage its own kernel (the unfused levels O0-O2): loops run on the host."""
+    for stage in staged.stages():
+        stage.launch = why
+    return staged
+
+
+def barrier_per_stage(staged: StagedProgram, why: str) -> StagedProgram:
+    """A grid barrier before every stage but the first (O3: each former kernel boundary becomes
+    a grid synchronization, whether or not data crosses blocks there)."""
+    for k, stage in enumerate(staged.stages()):
+        if k and stage.launch is None:
+            stage.barrier = why
+    return staged
+
+
+def split_kernels(staged: StagedProgram, splits) -> StagedProgram:
+    """Start a new kernel at each top-level item a partition split before, with its reason."""
+    by_name = {split.before: split.reason for split in splits}
+    for item in staged.items:
+        if item.name in by_name:
+            item.launch, item.barrier = by_name.pop(item.name), None
+    if by_name:
+        raise GraphError(f"{staged.name}: the partition splits before {sorted(by_name)}, which are not top-level items")
+    return staged
+
+
+# -- weights kept on chip across a loop (O4) -----------------------------------------------------
+@dataclass
+class OnChip:
+    """A weight a stage in a loop reads, loaded once per kernel into its block's shared memory.
+
+    Tile t of the stage reads exactly the weight's elements ``[t * per_tile, (t + 1) * per_tile)``;
+    a block runs tiles ``block + k * grid`` (k < ``slots``) and keeps each one's slice in slot k,
+    so across the loop's iterations the weight is read from DRAM once.
+    """
+
+    stage: Stage
+    read: int  # index into ``stage.reads``
+    per_tile: int  # elements of the weight per tile
+    slots: int  # tiles per block at the smallest grid the kernel is launched with
+    buffer: tirx.Buffer  # the block's on-chip copy: ``slots * per_tile`` elements
+
+    @property
+    def source(self) -> BufferRef:
+        return self.stage.reads[self.read]
+
+    @property
+    def bytes(self) -> int:
+        return self.slots * self.per_tile * np.dtype(self.buffer.dtype).itemsize
+
+
+def tile_slice(stage: Stage, read: int) -> int | None:
+    """Elements per tile when tile t of ``stage`` reads exactly the contiguous run
+    ``[t * n, (t + 1) * n)`` of its ``read``-th input (a GEMV's weight rows); else None."""
+    holder = stage.placeholders[read]
+    relation, exact = stage.read_relation(holder)
+    if not exact:
+        return None
+    tiles = _tiles_of(relation.get_tuple_name(isl.dim_type.in_), stage.tensor.shape, stage.schedule.per_tile, "T")
+    names = [f"o{k}" for k in range(len(holder.shape))]
+    flat = isl.Map(f"{{ {relation.get_tuple_name(isl.dim_type.out)}[{', '.join(names)}] -> F[f] : "
+                   f"f = {_flat(names, holder.shape)} }}")
+    footprint = tiles.reverse().apply_range(relation).apply_range(flat)
+    first = footprint.intersect_domain(isl.Set("{ T[0] }")).range()
+    n = int(first.count_val().to_python()) if first.is_bounded() else 0
+    if n == 0:
+        return None
+    size = int(np.prod([int(d) for d in holder.shape]))
+    expected = isl.Map(f"{{ T[t] -> F[f] : 0 <= t < {stage.schedule.n_tiles} and t * {n} <= f < (t + 1) * {n} "
+                       f"and f < {size} }}")
+    return n if footprint.is_equal(expected) else None
+
+
+def keep_weights_on_chip(staged: StagedProgram, device) -> StagedProgram:
+    """Load the weight slices a loop's stages read into each block's shared memory before the
+    loop, where every tile reads its own contiguous slice and the device's shared memory per
+    block holds them at the smallest grid the kernel may run with (one block per SM, or one per
+    tile when there are fewer tiles). Loops that launch kernels from the host are left alone."""
+    weights = {b for b in staged.weight_buffers}
+    staged.min_grid = min(device.sms, staged.max_tiles)
+    budget = device.smem_per_block - max(s.schedule.shared_bytes for s in staged.stages())
+    for loop in [item for item in _all_loops(staged.items) if not item.on_host]:
+        for stage in _walk(loop.items):
+            for k, ref in enumerate(stage.reads):
+                if ref.base not in weights or not isinstance(ref.offset, int) or k in stage.on_chip:
+                    continue
+                per_tile = tile_slice(stage, k)
+                if per_tile is None:
+                    continue
+                slots = -(-stage.schedule.n_tiles // staged.min_grid)
+                name = f"onchip{len(staged.on_chip)}_{c_name(ref.spec.name)}"[:60]
+                load = OnChip(stage, k, per_tile, slots,
+                              tirx.decl_buffer((slots * per_tile,), ref.spec.dtype, name=name, scope="shared.dyn"))
+                if load.bytes > budget:
+                    staged.on_chip_notes.append(
+                        f"{ref.spec.name} (read by {stage.name} in loop {loop.name}) stays in global memory: "
+                        f"{slots} tiles per block x {per_tile * np.dtype(ref.spec.dtype).itemsize} B = {load.bytes} B "
+                        f"> {budget} B of shared memory left per block on {device.name}")
+                    continue
+                budget -= load.bytes
+                stage.on_chip[k] = load
+                loop.loads.append(load)
+                staged.on_chip_notes.append(
+                    f"{ref.spec.name} (read by {stage.name} in loop {loop.name}) on chip: {slots} tiles per block "
+                    f"x {per_tile} elements, {load.bytes} B of shared memory per block, loaded once per inference")
+    return staged
+
+
+def on_chip_pointer(load: OnChip, buffer: tirx.Buffer, base, t, tile) -> tirx.PrimExpr:
+    """Where the stage's view of the weight starts so that element ``tile * per_tile + e`` of
+    the weight is slot ``t``'s element e of the block's copy at ``base`` in ``buffer``."""
+    dtype = str(t.ty.dtype)
+    n = tirx.const(load.per_tile, dtype)
+    return tirx.address_of(tirx.BufferLoad(buffer, [_as(base, dtype) + t * n - _as(tile, dtype) * n]))
+
+
+def on_chip_loads(load: OnChip, buffer: tirx.Buffer, block, grid, base, elements) -> tirx.Stmt:
+    """Block ``block``'s copy of its tiles' slices into ``buffer`` at ``base``: slot k holds tile
+    ``block + k * grid``. ``elements(n, body)`` loops ``body(e)`` over ``e < n`` (serially on
+    the CPU, over the block's threads on the GPU)."""
+    k = tirx.Var("k", "int64")
+    n = load.per_tile
+    tile = _as(block, "int64") + k * _as(grid, "int64")
+    source = load.source
+    size = int(np.prod(source.spec.shape))
+
+    def copy(e):
+        e = _as(e, "int64")
+        value = tirx.BufferLoad(source.base, [tile * n + e + source.offset])
+        store = tirx.BufferStore(buffer, value, [_as(base, "int64") + k * n + e])
+        return tirx.IfThenElse(tirx.all(tile < load.stage.schedule.n_tiles, tile * n + e < size), store, None)
+
+    return tirx.For(k, 0, load.slots, tirx.ForKind.SERIAL, elements(n, copy))
+
+
+def _as(x, dtype: str):
+    if isinstance(x, int):
+        return tirx.const(x, dtype)
+    return x if str(x.ty.dtype) == dtype else tirx.Cast(dtype, x)
+
+
 # -- the scratch arena ------------------------------------------------------------------------
 def _first_stage(items) -> Stage | None:
     return next(iter(_walk(items)), None)
@@ -438,7 +729,7 @@ def _live_ranges(staged: StagedProgram) -> dict:
         nonlocal phase
         for item in items:
             if isinstance(item, Loop):
-                phase += int(item.barrier is not None)
+                phase += int(synchronized(item))
                 start = phase
                 inner_first = _first_stage(item.items)
                 first_access: dict = {}
@@ -448,13 +739,13 @@ def _live_ranges(staged: StagedProgram) -> dict:
                     first_access.setdefault(s.write.base, "write" if isinstance(s.write.offset, int) else "read")
                 before = dict(ranges)
                 visit(item.items)
-                restarts = inner_first is not None and inner_first.barrier is not None
+                restarts = inner_first is not None and synchronized(inner_first)
                 for slot, kind in first_access.items():
                     local = restarts and kind == "write" and slot not in before
                     if slot in staged.slots and not local:
                         touch(slot, start, phase)
                 continue
-            if item.barrier is not None:
+            if synchronized(item):
                 phase += 1
             for ref in item.reads + [item.write]:
                 if ref.base in staged.slots:
@@ -501,11 +792,16 @@ def slot_views(staged: StagedProgram) -> list[tirx.Stmt]:
     return views
 
 
-def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr) -> tirx.Stmt:
+def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr, on_chip=None) -> tirx.Stmt:
     """The stage's code for one block: its parameters as views, and its outermost (tile) loop
-    replaced by ``for t in range(ceildiv(n_tiles - block, grid)): tile = block + t * grid``."""
+    replaced by ``for t in range(ceildiv(n_tiles - block, grid)): tile = block + t * grid``.
+
+    A weight kept on chip (``stage.on_chip``) is viewed, tile by tile, in the block's copy:
+    ``on_chip(load)`` gives (buffer, where this block's copy starts in it)."""
     func = stage.func
-    views = [tirx.DeclBuffer(param, data=ref.pointer()) for param, ref in zip(func.params, stage.reads + [stage.write])]
+    refs = stage.reads + [stage.write]
+    views = [tirx.DeclBuffer(param, data=ref.pointer()) for k, (param, ref) in enumerate(zip(func.params, refs))
+             if k not in stage.on_chip]
     realize = func.body
     root = realize.block
     tile_loop = root.body
@@ -515,8 +811,11 @@ def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr) -> tirx
     block, grid = (x if str(x.ty.dtype) == dtype else tirx.Cast(dtype, x) for x in (block, grid))
     t = tirx.Var("t", dtype)
     n_tiles = tirx.const(stage.schedule.n_tiles, dtype)
+    tile = tile_loop.loop_var
+    on_chip_views = [tirx.DeclBuffer(func.params[k], data=on_chip_pointer(load, *on_chip(load), t, tile))
+                     for k, load in stage.on_chip.items()]
     persistent = tirx.For(t, 0, tirx.floordiv(n_tiles - block + grid - 1, grid), tirx.ForKind.SERIAL,
-                          tirx.SeqStmt([tirx.Bind(tile_loop.loop_var, block + t * grid), tile_loop.body]))
+                          tirx.SeqStmt([tirx.Bind(tile, block + t * grid)] + on_chip_views + [tile_loop.body]))
     new_root = type(root)(root.iter_vars, root.reads, root.writes, root.name_hint, persistent, root.init,
                           root.alloc_buffers, root.match_buffers, root.annotations)
     return tirx.SeqStmt(views + [type(realize)(realize.iter_values, realize.predicate, new_root)])

@@ -19,6 +19,7 @@ import numpy as np
 import tvm
 from tvm import tirx
 
+from souffle import recipe
 from souffle.errors import GraphError
 from souffle.graph import Graph, TensorSpec
 from souffle.lower import LoopRegion, Region, TEProgram
@@ -93,8 +94,9 @@ class Stitcher:
         self.scheduler = scheduler
         self.arena = arena if arena is not None else Arena()
         self.weight_values: dict[str, np.ndarray] = dict(graph.weights or {})
-        self.stacks: dict[str, list[str]] = {}  # a stacked weight -> the model weights it stacks
+        self.recipes: dict[str, list] = {}  # a weight -> how it is made from the model's (souffle.recipe)
         self.weight_buffers: dict[str, tirx.Buffer] = {}
+        self.carry_slots: dict[tuple[str, str], BufferRef] = {}  # (loop, carry) -> slots its init is computed into
         self.region_count = 0
         self.loop_count = 0
 
@@ -128,6 +130,7 @@ class Stitcher:
         return tirx.For(var, 0, trips, tirx.ForKind.SERIAL, tirx.SeqStmt(body))
 
     def program(self, program: TEProgram, refs: dict[str, BufferRef]) -> list:
+        self.place_carry_inits(program, refs)
         stmts: list = []
         for region in program.regions:
             if isinstance(region, LoopRegion):
@@ -138,6 +141,26 @@ class Stitcher:
                     refs[name] = self.arena.alloc(program.graph.tensors[name])
             stmts.extend(self.region(region, refs))
         return stmts
+
+    def place_carry_inits(self, program: TEProgram, refs: dict[str, BufferRef]):
+        """A carry's initial value that the program computes only for that carry is written
+        straight into the carry's first slot, saving the copy into it."""
+        graph = program.graph
+        computed = {name for region in program.regions if isinstance(region, Region) for name in region.outputs}
+        uses: dict[str, int] = {name: graph.outputs.count(name) for name in computed}
+        for op in graph.ops:
+            for name in op.inputs:
+                if name in uses:
+                    uses[name] += 1
+        for region in program.regions:
+            if not isinstance(region, LoopRegion):
+                continue
+            for body_in, _, init, _ in region.scan.carry:
+                if init in computed and init not in refs and uses[init] == 1:
+                    spec = region.body.graph.tensors[body_in]
+                    slots = self.arena.alloc(spec, count=2)
+                    self.carry_slots[(region.name, body_in)] = slots
+                    refs[init] = BufferRef(slots.base, slots.offset, graph.tensors[init])
 
     def loop(self, region: LoopRegion, graph: Graph, refs: dict[str, BufferRef]) -> list:
         """A scan as a serial loop; carried state ping-pongs between two arena slots."""
@@ -150,9 +173,11 @@ class Stitcher:
         body_refs: dict[str, BufferRef] = {}
         for body_in, body_out, init, final in scan.carry:
             spec = body.tensors[body_in]
-            slots = self.arena.alloc(spec, count=2)
+            placed = self.carry_slots.get((region.name, body_in))
+            slots = placed or self.arena.alloc(spec, count=2)
             slot_at = lambda k, s=slots, sp=spec: BufferRef(s.base, s.offset + (k % 2) * sp.size, sp)
-            before.append(self.copy(self.resolve(refs, init), slot_at(0)))
+            if placed is None:
+                before.append(self.copy(self.resolve(refs, init), slot_at(0)))
             body_refs[body_in] = BufferRef(slots.base, slots.offset + tirx.floormod(i, 2) * spec.size, spec)
             next_slot = BufferRef(slots.base, slots.offset + tirx.floormod(i + 1, 2) * spec.size, spec)
             if body_out in body_refs:
@@ -185,7 +210,7 @@ class Stitcher:
                 )
             if stacked_name not in self.weight_values:
                 self.weight_values[stacked_name] = np.stack([self.weight_values[n] for n in names])
-                self.stacks[stacked_name] = list(names)
+                self.recipes[stacked_name] = recipe.stack([self.graph.recipe(n) for n in names])
             stacked = self.weight_ref(stacked_name, spec)
             body_refs[body_param] = BufferRef(stacked.base, i * spec.size, spec)
         for body_out, seq in scan.ys:
@@ -219,6 +244,9 @@ class Stitcher:
         stmts = self.program(program, refs)
         stmts += [self.copy(self.resolve(refs, name), dst) for name, dst in copies_at_end]
         return stmts, input_buffers, output_buffers
+
+    def weight_recipe(self, name: str) -> list:
+        return self.recipes.get(name) or self.graph.recipe(name)
 
     def weights(self) -> tuple[list[tuple[TensorSpec, np.ndarray]], list[tirx.Buffer]]:
         """The weights the code reads (per-scan stacks included) and their buffers, in parameter order."""

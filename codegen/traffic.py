@@ -1,7 +1,10 @@
 """A static estimate of the global-memory traffic of a staged program, as it runs.
 
-The persistent kernel keeps no tensor on chip from one stage to the next: every stage loads
-what it reads from global memory and stores its whole output there. So per execution a stage
+Between stages the persistent kernel keeps no tensor on chip: every stage loads what it reads
+from global memory and stores its whole output there. Inside a stage, a fused reduction's
+result stays in registers or shared memory (an epilogue stage reads only the reduction's
+inputs), and a weight kept on chip across a loop (``codegen.staging.OnChip``) is read from
+global memory once, by the load before the loop. So per execution a stage
 moves, for each tensor it reads, the distinct elements its access relation touches (an
 element loaded by several threads or reduction steps counts once), plus its output. A stage
 inside loops runs once per iteration of each, so its bytes are multiplied by the product of
@@ -21,8 +24,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from analysis.dependence import access_relations, count_points
-from codegen.staging import Loop, Stage, StagedProgram
+from analysis.dependence import count_points
+from codegen.staging import Loop, OnChip, Stage, StagedProgram
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ def memory_traffic(staged: StagedProgram) -> Traffic:
     def visit(items: list, loops: tuple[str, ...], executions: int):
         for item in items:
             if isinstance(item, Loop):
+                rows.extend(_load_traffic(load, loops, executions) for load in item.loads)
                 visit(item.items, loops + (item.name,), executions * item.trips)
             else:
                 rows.append(_stage_traffic(item, loops, executions))
@@ -123,14 +127,24 @@ def compulsory_bytes(staged: StagedProgram) -> int:
 
 
 def _stage_traffic(stage: Stage, loops: tuple[str, ...], executions: int) -> StageTraffic:
-    relations = access_relations(stage.tensor)
     reads, exact = [], True
-    for ref, holder in zip(stage.reads, stage.placeholders):
-        access = relations[holder.op]
-        reads.append((ref.spec.name, count_points(access.relation.range()) * _itemsize(holder.dtype)))
-        exact = exact and access.exact
+    for k, (ref, holder) in enumerate(zip(stage.reads, stage.placeholders)):
+        if k in stage.on_chip:
+            reads.append((ref.spec.name, 0))  # from shared memory; its load is counted once
+            continue
+        relation, exact_read = stage.read_relation(holder)
+        reads.append((ref.spec.name, count_points(relation.range()) * _itemsize(holder.dtype)))
+        exact = exact and exact_read
     written = math.prod(int(d) for d in stage.tensor.shape) * _itemsize(stage.tensor.dtype)
     return StageTraffic(stage.name, loops, executions, tuple(reads), written, exact)
+
+
+def _load_traffic(load: OnChip, loops: tuple[str, ...], executions: int) -> StageTraffic:
+    """Every block's copy of its tiles' slices of an on-chip weight: the weight, read once."""
+    source = load.source
+    elements = min(load.stage.schedule.n_tiles * load.per_tile, source.spec.size)
+    return StageTraffic(f"on-chip load of {source.spec.name} for {load.stage.name}", loops, executions,
+                        ((source.spec.name, elements * _itemsize(source.spec.dtype)),), 0, True)
 
 
 def _itemsize(dtype) -> int:

@@ -160,6 +160,14 @@ class CompiledModel:
             run_seconds=self._last_run,
         )
         if staged:
+            from codegen.transform import LEVEL_NAMES
+
+            report.extra["opt level"] = f"O{plan.level}: {LEVEL_NAMES[plan.level]}"
+            report.extra["launches"] = f"{plan.kernel_count(executed=True)} kernel launches per inference"
+            report.extra.update({f"transform {k + 1}": line for k, line in enumerate(plan.transforms)})
+            report.extra.update({f"on chip {k + 1}": note for k, note in enumerate(plan.on_chip_notes)})
+            if plan.partition is not None:
+                report.extra["partition"] = str(plan.partition).replace("\n", "\n" + " " * 15)
             report.extra["stages"] = f"{plan.stage_count()} ({plan.stage_count(executed=True)} executed), " \
                                      f"{plan.threads} threads per block, up to {plan.max_tiles} tiles per stage"
             report.extra["grid barriers"] = f"{plan.barrier_count()} ({plan.barrier_count(executed=True)} executed)"
@@ -169,7 +177,7 @@ class CompiledModel:
 
 
 def compile(graph: Graph, target: str = "llvm", device: str | None = None,
-            threads: int | None = None) -> CompiledModel:
+            threads: int | None = None, opt_level: int | None = None) -> CompiledModel:
     """Compile a whole model for ``target``.
 
     - ``"llvm"``: one CPU function, with the CPU's own schedules (the fast CPU path).
@@ -181,6 +189,11 @@ def compile(graph: Graph, target: str = "llvm", device: str | None = None,
       and scratch layout) run on the CPU, block after block — to check that program anywhere.
 
     ``threads`` is the thread-block size of the persistent kernel (256 by default).
+
+    ``opt_level`` (persistent targets; the paper's ablation, ``codegen.transform``): 0 one
+    kernel per TE, 1 + horizontal fusion and the LSTM wavefront, 2 + vertical inlining,
+    3 + global sync (one kernel per subprogram of ``analysis.partition``, a grid barrier
+    between stages), 4 + post-optimizations (barriers only where data crosses blocks; default).
     """
     if not isinstance(graph, Graph):
         raise SouffleError(f"souffle.compile takes a souffle Graph, got {type(graph).__name__}")
@@ -189,13 +202,18 @@ def compile(graph: Graph, target: str = "llvm", device: str | None = None,
     if graph.weights is None:
         raise SouffleError(f"graph {graph.name!r} has no weights; build it with arrays or call .with_weights(...)")
     if target == "llvm":
+        if opt_level is not None:
+            raise TargetError("opt levels are the persistent kernel's (targets cuda and llvm-persistent); "
+                              "target 'llvm' has its own CPU pipeline")
         return _compile_llvm(graph)
     from codegen.schedule import THREADS
+    from codegen.transform import DEFAULT_OPT_LEVEL, check_level
 
     threads = THREADS if threads is None else threads
     if not (isinstance(threads, int) and 32 <= threads <= 1024 and threads % 32 == 0):
         raise TargetError(f"threads must be a multiple of 32 from 32 to 1024, got {threads!r}")
-    return _compile_persistent(graph, target, device, threads)
+    level = check_level(DEFAULT_OPT_LEVEL if opt_level is None else opt_level)
+    return _compile_persistent(graph, target, device, threads, level)
 
 
 def _compile_llvm(graph: Graph) -> CompiledModel:
@@ -211,19 +229,55 @@ def _compile_llvm(graph: Graph) -> CompiledModel:
     return CompiledModel(graph, "llvm", program, stitched, executable, seconds)
 
 
-def staged_program(program: TEProgram, gpu: bool, threads: int):
-    """The persistent kernel's program: stages tiled, then barriers placed, then the arena laid out."""
-    from codegen.staging import place_barriers, plan_arena, stage_program
+def staged_program(program: TEProgram, gpu: bool, threads: int, level: int = 4, device: str | None = None):
+    """The persistent kernel's program: stages tiled, then what synchronizes them (per opt
+    level: a kernel per stage, a barrier per stage, or barriers only where data crosses
+    blocks), then the kernels the device forces (``analysis.partition``), then the arena."""
+    from analysis.partition import partition
+    from codegen.staging import (
+        barrier_per_stage,
+        keep_weights_on_chip,
+        kernel_per_stage,
+        place_barriers,
+        plan_arena,
+        split_kernels,
+        stage_program,
+    )
 
-    return plan_arena(place_barriers(stage_program(program, gpu, threads)))
+    staged = stage_program(program, gpu, threads, epilogues=level >= 3)
+    staged.level = level
+    if level <= 2:
+        return plan_arena(kernel_per_stage(staged, f"O{level}: one kernel per TE"))
+    if level == 3:
+        staged = barrier_per_stage(staged, "O3: every stage boundary synchronizes the grid")
+    else:
+        staged = place_barriers(staged)
+    model = _gpu_model(device or "h200")
+    staged.partition = partition(staged, model)
+    staged = split_kernels(staged, staged.partition.splits)
+    if level >= 4:
+        staged = keep_weights_on_chip(staged, model)
+    return plan_arena(staged)
 
 
-def _compile_persistent(graph: Graph, target: str, device: str | None, threads: int) -> CompiledModel:
+def _gpu_model(name: str):
+    from analysis.device import get_device
+
+    model = get_device(name)
+    if model.kind != "gpu":
+        raise TargetError(f"the persistent kernel needs a GPU device model, not {model.name!r}; use 'h200' or 'a100'")
+    return model
+
+
+def _compile_persistent(graph: Graph, target: str, device: str | None, threads: int, level: int) -> CompiledModel:
     from codegen import llvm
+    from codegen.transform import optimize
 
     seconds: dict[str, float] = {}
-    program = timed(seconds, "lower", lower_graph, graph)
-    staged = timed(seconds, "stage", staged_program, program, target == "cuda", threads)
+    optimized = timed(seconds, "lower+transform", optimize, graph, level)
+    program = optimized.program
+    staged = timed(seconds, "stage", staged_program, program, target == "cuda", threads, level, device)
+    staged.transforms = optimized.log
     if target == "cuda":
         from souffle.cuda_model import build_cuda
 
@@ -232,6 +286,7 @@ def _compile_persistent(graph: Graph, target: str, device: str | None, threads: 
     executable = timed(seconds, "build", llvm.build, llvm.staged_function(staged, grid))
     model = CompiledModel(graph, target, program, staged, executable, seconds)
     model.grid = grid
+    model.kernel_count = staged.kernel_count()
     return model
 
 

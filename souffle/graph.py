@@ -112,7 +112,9 @@ class Graph:
     """A validated dataflow graph with parameters.
 
     ``weights`` holds the parameter arrays of a top-level graph (a scan body has
-    parameter specs only: its values come from the scan's stacked weights).
+    parameter specs only: its values come from the scan's stacked weights). ``recipes`` says,
+    for a weight a transformation derived at compile time, how it is made from the model's
+    own weights (``souffle.recipe``); a weight without one is the model's own.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class Graph:
         ops: Sequence[Op | Scan],
         outputs: Sequence[str],
         weights: Mapping[str, np.ndarray] | None = None,
+        recipes: Mapping[str, list] | None = None,
     ):
         self.name = name
         self.inputs = tuple(inputs)
@@ -133,6 +136,11 @@ class Graph:
         self.producer: dict[str, Op | Scan] = {}
         self._validate()
         self.weights = None if weights is None else self._checked_weights(weights)
+        self.recipes = dict(recipes or {})
+
+    def recipe(self, name: str) -> list:
+        """How weight ``name`` is made from the model's weights (``souffle.recipe``)."""
+        return self.recipes.get(name, ["model", name])
 
     # -- validation -------------------------------------------------------------------------
     def _define(self, spec: TensorSpec, what: str):
@@ -200,7 +208,7 @@ class Graph:
     # -- convenience ------------------------------------------------------------------------
     def with_weights(self, weights: Mapping[str, np.ndarray]) -> "Graph":
         """The same graph with other weights (e.g. a PyTorch state_dict as numpy arrays)."""
-        return Graph(self.name, self.inputs, self.params.values(), self.ops, self.outputs, weights)
+        return Graph(self.name, self.inputs, self.params.values(), self.ops, self.outputs, weights, self.recipes)
 
     def output_specs(self) -> list[TensorSpec]:
         return [self.tensors[n] for n in self.outputs]

@@ -18,7 +18,7 @@ def test_dense_bias_relu_by_hand():
     w = b.param("w", np.ones((4, 8), "float32"))
     bias = b.param("b", np.ones((4,), "float32"))
     graph = b.build(b.op("relu", b.op("add", b.op("dense", x, w), bias), name="y"))
-    traffic = memory_traffic(souffle.compile(graph, "llvm-persistent").plan)
+    traffic = memory_traffic(souffle.compile(graph, "llvm-persistent", opt_level=0).plan)
 
     # dense reads all of x (2x8) and w (4x8); add reads the (2x4) product and b (4); relu the sum.
     assert [(s.executions, s.bytes_read, s.bytes_written) for s in traffic.stages] == [
@@ -34,6 +34,11 @@ def test_dense_bias_relu_by_hand():
     assert json.loads(json.dumps(traffic.to_json()))["read_bytes"] == traffic.read_bytes
     assert str(traffic).startswith("memory traffic mlp (upper bound): read 272 B, written 96 B, compulsory 240 B")
 
+    # O4: bias and relu inlined into one epilogue, fused with the GEMM in its threads' registers.
+    fused = memory_traffic(souffle.compile(graph, "llvm-persistent").plan)
+    assert [(s.bytes_read, s.bytes_written) for s in fused.stages] == [((16 + 32 + 4) * F32, 8 * F32)]
+    assert fused.read_bytes + fused.write_bytes == fused.compulsory_bytes
+
 
 def test_loop_body_bytes_are_multiplied_by_the_trip_count():
     trips = 3
@@ -45,7 +50,7 @@ def test_loop_body_bytes_are_multiplied_by_the_trip_count():
     layer = body.build(body.op("relu", body.op("dense", h, body.param("w", (4, 4))), name="h2"))
     (final,), _ = b.scan(layer, trips, name="layers", carry=[("h", "h2", x)], params={"w": ws})
     graph = b.build(b.op("relu", final, name="out"))
-    traffic = memory_traffic(souffle.compile(graph, "llvm-persistent").plan)
+    traffic = memory_traffic(souffle.compile(graph, "llvm-persistent", opt_level=0).plan)
 
     # copy x -> h; per trip: dense reads h (4) and that trip's w (16), relu reads 4; relu out.
     assert [(s.loops, s.executions, s.bytes_read, s.bytes_written) for s in traffic.stages] == [
@@ -63,7 +68,7 @@ def test_loop_body_bytes_are_multiplied_by_the_trip_count():
 def test_lstm_compulsory_bytes_and_nested_loops():
     graph = models.build("lstm", "tiny")
     cfg = models.config("lstm", "tiny")
-    staged = souffle.compile(graph, "llvm-persistent").plan
+    staged = souffle.compile(graph, "llvm-persistent", opt_level=0).plan  # the layers as nested loops
     traffic = memory_traffic(staged)
 
     weights = sum(v.nbytes for v in graph.weights.values())

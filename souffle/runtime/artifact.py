@@ -1,10 +1,11 @@
-"""A compiled persistent kernel as files, and its launcher — numpy and cuda-python only.
+"""A compiled model's kernels as files, and their launcher — numpy and cuda-python only.
 
 A GPU machine may have neither TVM nor room for a large model's weights, so an artifact holds
-the kernel (cubins per architecture and the CUDA source), how to call it (parameters in order,
-threads, tiles), and *recipes* for its weights (which model weights, stacked or not) instead
-of the arrays: the launcher rebuilds them from the model's seeded numpy initialisation.
-``souffle.compile(..., target="cuda")`` launches through the same ``Launcher``.
+the kernels (cubins per architecture and the CUDA source), how to call them (each kernel's
+parameters in order, threads, tiles, and the launch order: kernels and the host loops around
+them), and *recipes* for its weights (``souffle.recipe``) instead of the arrays: the launcher
+rebuilds them from the model's seeded numpy initialisation. ``souffle.compile(...,
+target="cuda")`` launches through the same ``Launcher``.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ class KernelArtifact:
     config: str | None  # the souffle.models config the weights come from; None: weights given
     seed: int
     threads: int
-    max_tiles: int
-    argument_order: list[str]  # kernel parameters by buffer name; "grid_size" is the grid
+    kernels: dict[str, list[str]]  # kernel -> its parameters by buffer (or loop counter) name; "grid_size" is the grid
+    launches: list[dict]  # {"kernel", "cooperative", "max_tiles", "dynamic_shared", "min_grid"} or
+    #                       {"loop", "trips", "body": [...]}, in order
     inputs: list[TensorSlot]
     outputs: list[TensorSlot]
-    weights: list[dict]  # {"buffer", "sources": [model weight names], "shape", "dtype"}; several sources: stacked
+    weights: list[dict]  # {"buffer", "recipe" (souffle.recipe), "shape", "dtype"}
     arenas: dict[str, tuple[str, int]]  # buffer -> (dtype, elements)
     source: str
     cubins: dict[str, bytes] = field(default_factory=dict)  # arch -> cubin
@@ -82,10 +84,11 @@ class KernelArtifact:
             from souffle import models  # numpy only: building the graph would need TVM
 
             model_weights = models.get(self.model).init_weights(models.config(self.model, self.config), self.seed)
+        from souffle.recipe import evaluate
+
         arrays = {}
         for w in self.weights:
-            parts = [np.asarray(model_weights[name]) for name in w["sources"]]
-            value = np.stack(parts) if len(parts) > 1 else parts[0]
+            value = evaluate(w["recipe"], model_weights)
             if tuple(value.shape) != tuple(w["shape"]) or str(value.dtype) != w["dtype"]:
                 raise SouffleError(f"weight {w['buffer']!r}: expected {tuple(w['shape'])} {w['dtype']}, "
                                    f"got {value.shape} {value.dtype}")
@@ -94,8 +97,9 @@ class KernelArtifact:
 
 
 class Launcher:
-    """The artifact loaded on a GPU: weights and scratch resident, the grid sized by the driver's
-    occupancy API (every block co-resident, no more blocks than the widest stage has tiles)."""
+    """The artifact loaded on a GPU: weights and scratch resident, each kernel's grid sized by
+    the driver's occupancy API (every block co-resident, no more blocks than its widest stage
+    has tiles), kernels launched in the artifact's order, host loops run here."""
 
     def __init__(self, artifact: KernelArtifact, model_weights: dict | None = None, device=None):
         from souffle.runtime import cuda as rt
@@ -104,20 +108,34 @@ class Launcher:
         self.device = device or rt.Device()
         cubin = artifact.cubins.get(self.device.arch)
         if cubin is None:
-            cubin = rt.compile_cubin(artifact.source, self.device.arch)[0]
-        self.kernel = rt.Kernel(self.device, cubin)
-        per_sm = self.kernel.max_active_blocks_per_sm(artifact.threads)
-        if per_sm < 1:
-            raise TargetError(f"{self.device.name}: the kernel cannot be resident (0 blocks of {artifact.threads} "
-                              "threads per SM)")
-        self.blocks_per_sm = per_sm
-        self.grid = min(self.device.sms * per_sm, artifact.max_tiles)
+            cubin = rt.compile_cubin(artifact.source, self.device.arch, tuple(artifact.kernels))[0]
+        self.kernels = {name: rt.Kernel(self.device, cubin, name) for name in artifact.kernels}
+        self.grids = {}
+        for launch in _kernel_launches(artifact.launches):
+            kernel = self.kernels[launch["kernel"]]
+            kernel.allow_dynamic_shared(launch["dynamic_shared"])
+            per_sm = kernel.max_active_blocks_per_sm(artifact.threads, launch["dynamic_shared"])
+            if per_sm < 1:
+                raise TargetError(f"{self.device.name}: kernel {launch['kernel']} cannot be resident (0 blocks of "
+                                  f"{artifact.threads} threads and {launch['dynamic_shared']} B of dynamic shared "
+                                  "memory per SM)")
+            grid = min(self.device.sms * per_sm, launch["max_tiles"])
+            if grid < launch["min_grid"]:
+                raise TargetError(f"{self.device.name}: kernel {launch['kernel']} keeps weights on chip for a grid of "
+                                  f"at least {launch['min_grid']} blocks, but only {grid} fit")
+            self.grids[launch["kernel"]] = grid
         self.resident = {name: self.device.upload(value) for name, value in artifact.weight_arrays(model_weights).items()}
         for name, (dtype, elements) in artifact.arenas.items():
             self.resident[name] = self.device.alloc(max(elements, 1) * np.dtype(dtype).itemsize)
 
+    @property
+    def grid(self) -> int:
+        """The widest grid any kernel launches with."""
+        return max(self.grids.values())
+
     def arguments(self, inputs: list[np.ndarray]):
-        """Kernel arguments for these inputs (flat arrays in the artifact's input order), and the outputs."""
+        """The buffers by parameter name for these inputs (flat arrays in the artifact's input
+        order), and the outputs."""
         by_name = dict(self.resident)
         for slot, array in zip(self.artifact.inputs, inputs):
             by_name[slot.buffer] = self.device.upload(array)
@@ -125,15 +143,27 @@ class Launcher:
         for slot in self.artifact.outputs:
             by_name[slot.buffer] = self.device.alloc(slot.size * np.dtype(slot.dtype).itemsize)
             outputs.append((by_name[slot.buffer], slot))
-        return [self.grid if name == "grid_size" else by_name[name] for name in self.artifact.argument_order], outputs
+        return by_name, outputs
 
-    def launch(self, args) -> None:
-        """One inference: warps of 32 along x, the block's warps along y (``codegen.schedule``)."""
-        self.kernel.launch(self.grid, (32, self.artifact.threads // 32, 1), args)
+    def launch(self, buffers: dict, launches: list | None = None, counters: dict | None = None) -> None:
+        """One inference: the kernels in order, warps of 32 along x and the block's warps along y
+        (``codegen.schedule``), a host loop's counter passed to the kernels inside it."""
+        counters = counters or {}
+        for launch in self.artifact.launches if launches is None else launches:
+            if "loop" in launch:
+                for i in range(launch["trips"]):
+                    self.launch(buffers, launch["body"], {**counters, launch["loop"]: np.int64(i)})
+                continue
+            name = launch["kernel"]
+            grid = self.grids[name]
+            args = [grid if p == "grid_size" else counters[p] if p in counters else buffers[p]
+                    for p in self.artifact.kernels[name]]
+            self.kernels[name].launch(grid, (32, self.artifact.threads // 32, 1), args, cooperative=launch["cooperative"],
+                                      shared_bytes=launch["dynamic_shared"])
 
     def run(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        args, outputs = self.arguments(inputs)
-        self.launch(args)
+        buffers, outputs = self.arguments(inputs)
+        self.launch(buffers)
         self.device.synchronize()
         return [buffer.download(slot.dtype, slot.shape) for buffer, slot in outputs]
 
@@ -141,5 +171,13 @@ class Launcher:
         """Seconds per inference from CUDA events, inputs uploaded once."""
         from souffle.runtime.cuda import time_kernel
 
-        args, _ = self.arguments(inputs)
-        return time_kernel(lambda: self.launch(args), self.device, warmup=warmup, repeat=repeat)
+        buffers, _ = self.arguments(inputs)
+        return time_kernel(lambda: self.launch(buffers), self.device, warmup=warmup, repeat=repeat)
+
+
+def _kernel_launches(launches: list):
+    for launch in launches:
+        if "loop" in launch:
+            yield from _kernel_launches(launch["body"])
+        else:
+            yield launch

@@ -121,8 +121,10 @@ def _cache_dir(cache_dir) -> Path:
     return Path.home() / ".cache" / "souffle" / "cubin"
 
 
-def compile_cubin(source: str, arch: str, kernel: str = "main_kernel", cache_dir=None) -> tuple[bytes, KernelResources]:
-    """Compile CUDA ``source`` to a cubin for ``arch`` ("sm_90") and report ``kernel``'s resources.
+def compile_cubin(source: str, arch: str, kernel: str | tuple[str, ...] = "main_kernel",
+                  cache_dir=None) -> tuple[bytes, KernelResources | dict[str, KernelResources]]:
+    """Compile CUDA ``source`` to a cubin for ``arch`` ("sm_90") and report ``kernel``'s resources
+    (for a tuple of kernels, a dict of each one's).
 
     Results are cached under ``cache_dir``, else ``$SOUFFLE_CACHE_DIR/cubin``, else
     ``~/.cache/souffle/cubin``, keyed by the source, arch, kernel, nvcc version and flags;
@@ -139,7 +141,10 @@ def compile_cubin(source: str, arch: str, kernel: str = "main_kernel", cache_dir
     directory = _cache_dir(cache_dir)
     cubin_path, meta_path = directory / f"{digest}.cubin", directory / f"{digest}.json"
     if meta_path.exists() and cubin_path.exists():
-        return cubin_path.read_bytes(), KernelResources(**json.loads(meta_path.read_text()))
+        meta = json.loads(meta_path.read_text())
+        if isinstance(kernel, tuple):
+            return cubin_path.read_bytes(), {k: KernelResources(**meta[k]) for k in kernel}
+        return cubin_path.read_bytes(), KernelResources(**meta)
 
     with tempfile.TemporaryDirectory(prefix="souffle-nvcc-") as tmp:
         src, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
@@ -156,14 +161,19 @@ def compile_cubin(source: str, arch: str, kernel: str = "main_kernel", cache_dir
             shown = "\n".join(lines[:_ERROR_LINES])
             more = f"\n... ({len(lines) - _ERROR_LINES} more lines)" if len(lines) > _ERROR_LINES else ""
             raise TargetError(f"nvcc failed to compile {kernel!r} for {arch}:\n{shown}{more}")
-        resources = parse_resource_usage(result.stderr + result.stdout, arch, kernel)
+        text = result.stderr + result.stdout
+        if isinstance(kernel, tuple):
+            resources = {k: parse_resource_usage(text, arch, k) for k in kernel}
+        else:
+            resources = parse_resource_usage(text, arch, kernel)
         cubin = out.read_bytes()
 
     # The JSON is written last and marks the entry complete; os.replace makes each file
     # appear whole, so a concurrent or interrupted compile never leaves a torn entry.
     directory.mkdir(parents=True, exist_ok=True)
     _write_atomic(cubin_path, cubin)
-    _write_atomic(meta_path, json.dumps(asdict(resources)).encode())
+    meta = {k: asdict(r) for k, r in resources.items()} if isinstance(kernel, tuple) else asdict(resources)
+    _write_atomic(meta_path, json.dumps(meta).encode())
     return cubin, resources
 
 
@@ -351,13 +361,21 @@ class Kernel:
             "cuOccupancyMaxActiveBlocksPerMultiprocessor",
         )
 
+    def allow_dynamic_shared(self, nbytes: int) -> None:
+        """Let launches use ``nbytes`` of dynamic shared memory (above 48 KB the driver asks)."""
+        if nbytes > 48 * 1024:
+            cu = self.device._current()
+            attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(cu.cuFuncSetAttribute(self.function, attribute, nbytes),
+                   f"cuFuncSetAttribute({self.name!r}, {nbytes} B of dynamic shared memory)")
+
     def launch(self, grid: int, threads: int | tuple[int, ...], args: list, cooperative: bool = True,
-               stream=None) -> None:
+               stream=None, shared_bytes: int = 0) -> None:
         """Launch on a 1-D grid of ``grid`` blocks of ``threads`` threads (an int, or the block's
         (x, y, z) shape); asynchronous.
 
-        ``args`` are DeviceBuffers (passed as pointers), ints (int32) and floats (float32), in
-        the kernel's parameter order. A cooperative launch (needed for grid-wide sync) is
+        ``args`` are DeviceBuffers (passed as pointers), ints (int32; ``np.int64`` as int64) and
+        floats (float32), in the kernel's parameter order. A cooperative launch (needed for grid-wide sync) is
         refused up front when the grid cannot be co-resident, with the numbers that say why.
         """
         cu = self.device._current()
@@ -367,16 +385,16 @@ class Kernel:
         if cooperative:
             if not self.device.cooperative_launch:
                 raise TargetError(f"{self.device.name} does not support cooperative launches")
-            per_sm = self.max_active_blocks_per_sm(threads)
+            per_sm = self.max_active_blocks_per_sm(threads, shared_bytes)
             limit = self.device.sms * per_sm
             if grid > limit:
                 raise TargetError(
                     f"grid of {grid} blocks cannot be co-resident: "
                     f"{self.device.sms} SMs x {per_sm} blocks/SM = {limit}"
                 )
-            result = cu.cuLaunchCooperativeKernel(self.function, grid, 1, 1, bx, by, bz, 0, stream, params)
+            result = cu.cuLaunchCooperativeKernel(self.function, grid, 1, 1, bx, by, bz, shared_bytes, stream, params)
         else:
-            result = cu.cuLaunchKernel(self.function, grid, 1, 1, bx, by, bz, 0, stream, params, 0)
+            result = cu.cuLaunchKernel(self.function, grid, 1, 1, bx, by, bz, shared_bytes, stream, params, 0)
         kind = "cooperative launch" if cooperative else "launch"
         _check(result, f"{kind} of {self.name!r} ({grid} blocks x {threads} threads)")
 
@@ -399,6 +417,9 @@ def _kernel_params(args: list) -> tuple[tuple, tuple]:
             arg._live()
             values.append(arg.ptr)
             types.append(ctypes.c_void_p)
+        elif isinstance(arg, np.int64):
+            values.append(int(arg))
+            types.append(ctypes.c_int64)
         elif isinstance(arg, (int, np.integer)):
             if not -(2**31) <= int(arg) < 2**31:
                 raise ValueError(f"kernel argument {i} = {arg} does not fit the int32 it is passed as")
