@@ -28,6 +28,7 @@ from codegen.staging import (
     Loop,
     StagedProgram,
     on_chip_loads,
+    parameters_used,
     seq,
     slot_views,
     tiled_stage,
@@ -63,25 +64,22 @@ def _block_threads(threads: int):
     return elements
 
 
-def _on_chip(load):
-    return load.buffer, 0
-
-
-def _statements(items: list, block: tirx.Var, grid: tirx.Var, threads: int) -> list[tirx.Stmt]:
+def _statements(items: list, block: tirx.Var, grid: tirx.Var, threads: int, memory: dict) -> list[tirx.Stmt]:
     stmts: list[tirx.Stmt] = []
     for item in items:
         if isinstance(item, Loop):
             if item.barrier is not None:
                 stmts.append(_grid_sync())
             if item.loads:
-                stmts += [on_chip_loads(load, load.buffer, block, grid, 0, _block_threads(threads)) for load in item.loads]
+                stmts += [on_chip_loads(load, memory[load.dtype], block, grid, load.offset, _block_threads(threads))
+                          for load in item.loads]
                 stmts.append(_block_sync())
             stmts.append(tirx.For(item.var, 0, item.trips, tirx.ForKind.SERIAL,
-                                  seq(_statements(item.items, block, grid, threads))))
+                                  seq(_statements(item.items, block, grid, threads, memory))))
             continue
         if item.barrier is not None:
             stmts.append(_grid_sync())
-        stmts.append(tiled_stage(item, block, grid, _on_chip))
+        stmts.append(tiled_stage(item, block, grid, lambda load: (memory[load.dtype], load.offset)))
     return stmts
 
 
@@ -91,12 +89,16 @@ def persistent_kernel(staged: StagedProgram, items: list | None = None, counters
     binding; ``counters`` are the host loops' variables, passed as arguments."""
     block = tirx.Var("block", "int32")
     grid = tirx.Var(GRID_PARAM, "int32")
-    items = staged.items if items is None else items
-    on_chip = [tirx.AllocBuffer(load.buffer) for loop in _loops(items) for load in loop.loads]
-    body = seq(on_chip + slot_views(staged) + _statements(items, block, grid, staged.threads))
+    whole = items is None
+    items = staged.items if whole else items
+    memory = staged.on_chip_memory() if any(loop.loads for loop in _loops(items)) else {}
+    allocations = [tirx.AllocBuffer(buffer) for buffer in memory.values()]
+    views = slot_views(staged, None if whole else items)
+    body = seq(allocations + views + _statements(items, block, grid, staged.threads, memory))
     binding = tirx.IterVar(tvm.ir.Range(0, grid), block, tirx.IterVar.ThreadIndex, "blockIdx.x")
     loop = tirx.For(block, 0, grid, tirx.ForKind.THREAD_BINDING, body, thread_binding=binding)
-    return tirx.PrimFunc(staged.parameters() + list(counters) + [grid], loop).with_attr("global_symbol", name)
+    params = staged.parameters() if whole else parameters_used(staged, items)
+    return tirx.PrimFunc(params + list(counters) + [grid], loop).with_attr("global_symbol", name)
 
 
 @dataclass(frozen=True)

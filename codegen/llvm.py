@@ -63,12 +63,12 @@ def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
     """
     from tvm import tirx
 
-    # Each block's on-chip weight copies, side by side in one buffer per load.
-    copies = {id(load): tirx.decl_buffer((grid * load.slots * load.per_tile,), load.buffer.dtype,
-                                         name=f"{load.buffer.name}_cpu") for load in staged.on_chip}
+    # Every block's on-chip weight copies (the GPU's shared memory), block after block.
+    memory = staged.on_chip_memory(blocks=grid, scope="global")
+    per_block = {dtype: int(buffer.shape[0]) // grid for dtype, buffer in memory.items()}
 
     def on_chip(block):
-        return lambda load: (copies[id(load)], block * (load.slots * load.per_tile))
+        return lambda load: (memory[load.dtype], block * per_block[load.dtype] + load.offset)
 
     def serial(n, body):
         e = tirx.Var("e", "int64")
@@ -89,7 +89,7 @@ def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
                 close()  # a loop starts its own stretch: its iterations run one after another
                 for load in item.loads:
                     block = tirx.Var("block", "int32")
-                    copy = on_chip_loads(load, copies[id(load)], block, grid, on_chip(block)(load)[1], serial)
+                    copy = on_chip_loads(load, *on_chip(block)(load)[:1], block, grid, on_chip(block)(load)[1], serial)
                     stmts.append(tirx.For(block, 0, grid, tirx.ForKind.SERIAL, copy))
                 stmts.append(tirx.For(item.var, 0, item.trips, tirx.ForKind.SERIAL, seq(phases(item.items))))
                 continue
@@ -99,5 +99,5 @@ def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
         close()
         return stmts
 
-    body = seq([tirx.AllocBuffer(b) for b in copies.values()] + slot_views(staged) + phases(staged.items))
+    body = seq([tirx.AllocBuffer(b) for b in memory.values()] + slot_views(staged) + phases(staged.items))
     return tirx.PrimFunc(staged.parameters(), body).with_attr("global_symbol", "main")

@@ -172,9 +172,29 @@ def _place_epilogue(sch: s_tir.Schedule, producer, epilogue, mode: str, tile, ho
 
 
 def _shared_bytes(sch: s_tir.Schedule) -> int:
-    """Bytes of the shared-memory buffers the schedule allocates (TVM pools them across stages)."""
-    total = 0
-    for buffer in sch.get(sch.get_sblock("root")).alloc_buffers:
-        if buffer.scope().startswith("shared"):
-            total += _product(int(d) for d in buffer.shape) * tvm.runtime.DataType(buffer.dtype).bits // 8
-    return total
+    """Bytes of the shared-memory buffers the schedule allocates, each compacted to what one
+    tile touches, as TVM lowers it (and pools them across stages)."""
+    passes = [s_tir.transform.LowerInitBlock(), s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
+              s_tir.transform.ConvertBlocksToOpaque(),
+              s_tir.transform.CompactBufferAllocation()]
+    mod = tvm.transform.Sequential(passes)(sch.mod)
+    return sum(_product(int(d) for d in b.shape) * tvm.runtime.DataType(b.dtype).bits // 8
+               for b in _allocations(mod["main"].body) if b.scope().startswith("shared"))
+
+
+def _allocations(stmt):
+    """The buffers the blocks of ``stmt`` allocate (TVM 0.27 has no Python statement visitor)."""
+    if isinstance(stmt, s_tir.SBlockRealize):
+        yield from _allocations(stmt.block)
+    elif isinstance(stmt, s_tir.SBlock):
+        yield from stmt.alloc_buffers
+        yield from _allocations(stmt.body)
+    elif isinstance(stmt, tirx.SeqStmt):
+        for child in stmt.seq:
+            yield from _allocations(child)
+    elif isinstance(stmt, tirx.IfThenElse):
+        yield from _allocations(stmt.then_case)
+        if stmt.else_case is not None:
+            yield from _allocations(stmt.else_case)
+    elif hasattr(stmt, "body"):
+        yield from _allocations(stmt.body)

@@ -21,6 +21,7 @@ stages, tiles, arena layout and barriers on the CPU. Every step returns or annot
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import islpy as isl
@@ -117,6 +118,16 @@ class StagedProgram:
     def on_chip_bytes(self) -> int:
         """Dynamic shared memory per block for the on-chip weights."""
         return sum(load.bytes for load in self.on_chip)
+
+    def on_chip_memory(self, blocks: int = 1, scope: str = "shared.dyn") -> dict[str, tirx.Buffer]:
+        """One buffer per dtype holding ``blocks`` blocks' on-chip weight copies, side by side.
+        One allocation, not one per weight: the copies are read through views, which TVM's
+        liveness-based memory reuse does not see, so separate ones could be overlaid."""
+        sizes: dict[str, int] = {}
+        for load in self.on_chip:
+            sizes[load.dtype] = sizes.get(load.dtype, 0) + load.elements
+        return {dtype: tirx.decl_buffer((blocks * n,), dtype, name=f"on_chip_{dtype}", scope=scope)
+                for dtype, n in sizes.items()}
 
     def parameters(self) -> list[tirx.Buffer]:
         """The buffers the program takes, in order: inputs, weights, outputs, arenas."""
@@ -311,6 +322,10 @@ class _Stager(Stitcher):
     def stage(self, name: str, tensor: te.Tensor, placeholders: list[te.Tensor], reads: list[BufferRef],
               write: BufferRef, epilogue: str | None = None) -> Stage:
         func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), self.gpu, self.threads, epilogue)
+        if epilogue is not None:  # tiles are counted in the epilogue's output, which the stage writes
+            outputs = int(np.prod([int(d) for d in tensor.shape]))
+            schedule = dataclasses.replace(schedule, per_tile=schedule.per_tile * outputs // schedule.outputs,
+                                           outputs=outputs)
         return Stage(self.unique(name), tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
 
     def fusions(self, region: Region) -> dict:
@@ -608,15 +623,23 @@ class OnChip:
     read: int  # index into ``stage.reads``
     per_tile: int  # elements of the weight per tile
     slots: int  # tiles per block at the smallest grid the kernel is launched with
-    buffer: tirx.Buffer  # the block's on-chip copy: ``slots * per_tile`` elements
+    offset: int = 0  # where the block's copy starts in the on-chip memory of its dtype (elements)
 
     @property
     def source(self) -> BufferRef:
         return self.stage.reads[self.read]
 
     @property
+    def dtype(self) -> str:
+        return self.source.spec.dtype
+
+    @property
+    def elements(self) -> int:
+        return self.slots * self.per_tile
+
+    @property
     def bytes(self) -> int:
-        return self.slots * self.per_tile * np.dtype(self.buffer.dtype).itemsize
+        return self.elements * np.dtype(self.dtype).itemsize
 
 
 def tile_slice(stage: Stage, read: int) -> int | None:
@@ -658,9 +681,7 @@ def keep_weights_on_chip(staged: StagedProgram, device) -> StagedProgram:
                 if per_tile is None:
                     continue
                 slots = -(-stage.schedule.n_tiles // staged.min_grid)
-                name = f"onchip{len(staged.on_chip)}_{c_name(ref.spec.name)}"[:60]
-                load = OnChip(stage, k, per_tile, slots,
-                              tirx.decl_buffer((slots * per_tile,), ref.spec.dtype, name=name, scope="shared.dyn"))
+                load = OnChip(stage, k, per_tile, slots, sum(o.elements for o in staged.on_chip if o.dtype == ref.spec.dtype))
                 if load.bytes > budget:
                     staged.on_chip_notes.append(
                         f"{ref.spec.name} (read by {stage.name} in loop {loop.name}) stays in global memory: "
@@ -783,13 +804,28 @@ def seq(stmts: list[tirx.Stmt]) -> tirx.Stmt:
     return stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts)
 
 
-def slot_views(staged: StagedProgram) -> list[tirx.Stmt]:
-    """Each used slot declared as a view into its arena at its planned offset."""
+def slot_views(staged: StagedProgram, items: list | None = None) -> list[tirx.Stmt]:
+    """Each slot ``items`` (by default the whole program) use, declared as a view into its
+    arena at its planned offset."""
+    used = None if items is None else buffers_used(items)
     views = []
     for slot, offset in staged.slot_offsets.items():
-        arena = staged.arena_buffers[staged.slots[slot][0]]
-        views.append(tirx.DeclBuffer(slot, data=BufferRef(arena, offset, None).pointer()))
+        if used is None or slot in used:
+            arena = staged.arena_buffers[staged.slots[slot][0]]
+            views.append(tirx.DeclBuffer(slot, data=BufferRef(arena, offset, None).pointer()))
     return views
+
+
+def buffers_used(items: list) -> set:
+    """The buffers (slots, inputs, weights, outputs) the stages of ``items`` read or write."""
+    return {ref.base for stage in _walk(items) for ref in stage.reads + [stage.write]}
+
+
+def parameters_used(staged: StagedProgram, items: list) -> list[tirx.Buffer]:
+    """The program's parameters ``items`` need: the buffers they touch and their slots' arenas."""
+    used = buffers_used(items)
+    arenas = {staged.arena_buffers[staged.slots[slot][0]] for slot in used if slot in staged.slots}
+    return [b for b in staged.parameters() if b in used or b in arenas]
 
 
 def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr, on_chip=None) -> tirx.Stmt:

@@ -186,7 +186,7 @@ def _sizes(cfg: dict) -> tuple[int, int, int, int, int, int]:
 def _stacked_specs(cfg: dict) -> list[TensorSpec]:
     layers, steps, _, hidden, _, width = _sizes(cfg)
     wave = steps + layers - 1
-    shapes = ((layers, GATES * hidden, width + hidden), (layers, GATES * hidden), (wave, layers, 1, 1),
+    shapes = ((layers, GATES * hidden, width + hidden), (layers, 1, GATES * hidden), (wave, layers, 1, 1),
               (wave, layers, 1, 1))
     return [TensorSpec(name, shape) for name, shape in zip(STACKED_WEIGHTS, shapes)]
 
@@ -196,7 +196,7 @@ def _stacked_recipes(cfg: dict) -> dict[str, list]:
     and so on): stacked over layers, gate rows interleaved per hidden unit (row 4j + k is gate
     k of unit j, so a tile of rows holds whole units), W_ih's layer inputs zero-padded to width
     K and W_hh's columns after them (``weight`` [L, 4H, K + H], the stacks concatenated along
-    the reduction axis), the two biases summed; plus the constant masks: ``mask[s, l]`` is 1 where layer l is at a real
+    the reduction axis), the two biases summed (``bias`` [L, 1, 4H], broadcast over the batch); plus the constant masks: ``mask[s, l]`` is 1 where layer l is at a real
     time step s - l, ``keep`` its complement."""
     layers, steps, _, hidden, inputs, width = _sizes(cfg)
     rows = np.arange(GATES * hidden).reshape(GATES, hidden).T.reshape(-1)
@@ -215,7 +215,7 @@ def _stacked_recipes(cfg: dict) -> dict[str, list]:
             recipe.stack([weight_ih(layer) for layer in range(layers)]),
             recipe.stack([recipe.take(recipe.model(f"weight_hh_l{layer}"), rows) for layer in range(layers)]),
         ], axis=2),
-        recipe.stack([bias(layer) for layer in range(layers)]),
+        recipe.stack([recipe.stack([bias(layer)]) for layer in range(layers)]),
         recipe.const(mask),
         recipe.const(1.0 - mask),
     )
@@ -251,14 +251,13 @@ def _wavefront_ops(cfg: dict, x: str, outputs: tuple[str, ...]) -> list[Op | Sca
         x = emit("concat", x, features, out="wavefront.x_wide", axis=2)
     tail = emit("full", out="wavefront.x_step_pad", shape=(layers - 1, batch, width), value=0.0)
     sequence = emit("concat", x, tail, out="wavefront.x_steps", axis=0)
-    bias3 = emit("reshape", bias, out="wavefront.bias3", shape=(layers, 1, GATES * hidden))
     zeros = emit("full", out="wavefront.zeros", shape=(layers, batch, hidden, 2), value=0.0)
     ops.append(Scan(
         "wavefront", _step_body(cfg), steps + layers - 1,
         carry=(("state", "state_next", zeros, "wavefront.state"),),
         xs=(("x_s", sequence), ("mask", mask), ("keep", keep)),
         ys=(("h_top", "wavefront.h_top"),),
-        invariants=(("weight", weight), ("bias", bias3)),
+        invariants=(("weight", weight), ("bias", bias)),
     ))
     # ys[s] is the last layer's h after step s - 1 (read from the carried state), so the
     # output is ys[L:] (T - 1 steps) followed by the last layer's h of the final state.

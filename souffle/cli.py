@@ -19,7 +19,8 @@ def _compile(args) -> int:
     if args.emit_source and args.target != "cuda":
         raise SouffleError(f"--emit-source writes CUDA source: it needs --target cuda, not {args.target!r}")
     graph = models.build(args.model, config=args.config, seed=args.seed)
-    compiled = souffle.compile(graph, target=args.target, device=args.device, threads=args.threads)
+    compiled = souffle.compile(graph, target=args.target, device=args.device, threads=args.threads,
+                               opt_level=args.opt_level)
     if args.emit_source:
         with open(args.emit_source, "w") as out:
             out.write(compiled.source)
@@ -75,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
                                   "llvm-persistent (the CUDA kernel's stages run on the CPU)")
     compile_cmd.add_argument("--device", default=None, help="GPU device model sizing the cuda grid: h200 (default) or a100")
     compile_cmd.add_argument("--threads", type=int, default=None, help="threads per block of the persistent kernel (256)")
+    compile_cmd.add_argument("--opt-level", type=int, default=None, metavar="{0,1,2,3,4}",
+                             help="the persistent kernel's optimizations (cuda, llvm-persistent): 0 one kernel per TE, "
+                                  "1 +horizontal and LSTM wavefront, 2 +vertical, 3 +global sync, "
+                                  "4 +post-optimizations (default)")
     compile_cmd.add_argument("--emit-source", metavar="FILE", help="write the generated CUDA source to FILE (target cuda)")
     compile_cmd.add_argument("--no-run", action="store_true", help="compile and print the report without running")
     compile_cmd.add_argument("--check", action="store_true", help="compare the outputs with the PyTorch reference")

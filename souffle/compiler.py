@@ -163,7 +163,8 @@ class CompiledModel:
             from codegen.transform import LEVEL_NAMES
 
             report.extra["opt level"] = f"O{plan.level}: {LEVEL_NAMES[plan.level]}"
-            report.extra["launches"] = f"{plan.kernel_count(executed=True)} kernel launches per inference"
+            launches = plan.kernel_count(executed=True)
+            report.extra["launches"] = f"{launches} kernel launch{'es' if launches != 1 else ''} per inference"
             report.extra.update({f"transform {k + 1}": line for k, line in enumerate(plan.transforms)})
             report.extra.update({f"on chip {k + 1}": note for k, note in enumerate(plan.on_chip_notes)})
             if plan.partition is not None:

@@ -20,7 +20,7 @@ from codegen.cuda import (
     kernel_signature,
     persistent_kernel,
 )
-from souffle import models
+from souffle import models, recipe
 from souffle.compiler import staged_program
 from souffle.errors import TargetError
 from souffle.graph import GraphBuilder
@@ -51,11 +51,12 @@ def test_one_kernel_that_builds_and_is_co_resident(compiled, name, config):
     assert kernel_count(model.source) == 1
     assert "cg::this_grid().sync()" in model.source or model.plan.barrier_count() == 0
     assert model.cubin[:4] == b"\x7fELF"
-    h200 = co_resident_grid(model.resources.registers, model.resources.shared_bytes, get_device("h200"))
+    on_chip = model.plan.on_chip_bytes  # dynamic shared memory: weights kept on chip across a loop
+    h200 = co_resident_grid(model.resources.registers, model.resources.shared_bytes + on_chip, get_device("h200"))
     assert h200.grid == model.occupancy.grid >= 132
     cubin, sm80 = compile_cubin(model.source, "sm_80")
     assert cubin[:4] == b"\x7fELF" and sm80.arch == "sm_80"
-    a100 = co_resident_grid(sm80.registers, sm80.shared_bytes, get_device("a100"))
+    a100 = co_resident_grid(sm80.registers, sm80.shared_bytes + on_chip, get_device("a100"))
     assert a100.grid >= 108
     assert 1 <= model.grid <= h200.grid
 
@@ -122,15 +123,18 @@ def test_artifact_round_trip_rebuilds_the_weights(compiled, tmp_path):
     assert [w["buffer"] for w in loaded.weights] == [b.name for b in model.plan.weight_buffers]
     for buffer, (_, value) in zip(model.plan.weight_buffers, model.plan.weights):
         np.testing.assert_array_equal(arrays[buffer.name], value.reshape(-1))
-    assert any(len(w["sources"]) > 1 for w in loaded.weights)  # per-layer weights are stacked
+    # the wavefront's stacked, gate-interleaved weight is a recipe over the per-layer model weights
+    assert {w["recipe"][0] for w in loaded.weights} == {"concat", "stack", "const"}
+    stacked = next(w for w in loaded.weights if w["recipe"][0] == "concat")
+    assert recipe.sources(stacked["recipe"]) == {f"weight_{kind}_l{layer}" for kind in ("ih", "hh") for layer in range(3)}
 
 
 def test_artifact_refuses_weights_of_the_wrong_shape(compiled):
     artifact = compiled("mmoe", "tiny").artifact()
     weights = dict(models.build("mmoe", "tiny").weights)
-    first = artifact.weights[0]["sources"][0]
+    first = min(recipe.sources(artifact.weights[0]["recipe"]))
     weights[first] = np.zeros((3, 3), "float32")
-    with pytest.raises(souffle.SouffleError, match=f"weight {artifact.weights[0]['buffer']!r}: expected"):
+    with pytest.raises(souffle.SouffleError, match=f"weight {artifact.weights[0]['buffer']!r}: "):
         artifact.weight_arrays(weights)
 
 
@@ -139,7 +143,7 @@ def test_shared_memory_is_pooled_across_stages():
     the kernel's shared buffers by liveness."""
     b = GraphBuilder("two")
     y = b.op("relu", b.input("x", (64, 256)), name="y")
-    staged = staged_program(lower_graph(b.build(b.op("tanh", y, name="z"))), True, 256)
+    staged = staged_program(lower_graph(b.build(b.op("tanh", y, name="z"))), True, 256, level=3)
 
     def staged_through_shared(stage):
         sch = s_tir.Schedule(stage.func)
@@ -169,4 +173,51 @@ def test_artifact_loads_and_rebuilds_weights_without_tvm(compiled, tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["8", "['sm_90']"]
+    assert done.stdout.split() == ["4", "['sm_90']"]  # the wavefront's weight, bias and step masks
+
+
+@pytest.mark.parametrize("name", models.MODELS)
+def test_every_opt_level_builds_for_sm80_and_sm90(name):
+    """O0-O2 give one kernel per stage (loops launch from the host), O3-O4 one kernel."""
+    graph = models.build(name, "tiny")
+    for level in range(5):
+        model = souffle.compile(graph, target="cuda", opt_level=level)
+        kernels = model.kernel_plan.kernel_names
+        assert kernel_count(model.source) == model.kernel_count == len(kernels)
+        assert len(kernels) == (model.plan.stage_count() if level <= 2 else 1), f"O{level}"
+        cubin, resources = compile_cubin(model.source, "sm_80", tuple(kernels))
+        assert cubin[:4] == b"\x7fELF" and set(resources) == set(kernels)
+        assert model.cubin[:4] == b"\x7fELF"
+        for kernel in kernels:
+            order = model.argument_orders[kernel]
+            assert "grid_size" in order and len(set(order)) == len(order)
+
+
+def test_unfused_levels_launch_loop_bodies_from_the_host():
+    from codegen.cuda import HostLoop, Launch, kernel_plan
+
+    staged = staged_program(lower_graph(models.build("lstm", "tiny")), True, 256, level=0)
+    launches = kernel_plan(staged).launches
+    loops = [launch for launch in launches if isinstance(launch, HostLoop)]
+    assert [loop.trips for loop in loops] == [5, 2]  # layer 0's time steps; the other layers
+    assert [launch.trips for launch in loops[1].body if isinstance(launch, HostLoop)] == [5]  # ... each over time
+    assert all(isinstance(k, Launch) and not k.cooperative for k in loops[0].body)
+    assert sum(1 for launch in launches if isinstance(launch, Launch)) + len(loops[0].body) < staged.kernel_count()
+
+
+def test_paper_lstm_keeps_its_weights_on_chip_on_h200_not_on_a100():
+    from codegen.traffic import memory_traffic
+    from codegen.transform import optimize
+
+    graph = models.build("lstm", "paper")
+    program = optimize(graph, 4).program
+    h200 = staged_program(program, True, 256, 4, "h200")
+    # 1,280 tiles of 4 hidden units (8 gate rows of 512 weights) over 132 blocks: 10 slices each.
+    assert h200.on_chip_notes[0].startswith("weight (read by wavefront_step_r0/gate_product+state_next in loop "
+                                            "wavefront) on chip: 10 tiles per block x 4096 elements, 163840 B")
+    assert h200.barrier_count(executed=True) == 109 + 2  # one per wavefront step, two around the loop
+    weights = sum(v.nbytes for v in graph.weights.values())
+    assert memory_traffic(h200).read_bytes < 1.2 * weights
+    a100 = staged_program(program, True, 256, 4, "a100")
+    assert "stays in global memory: 12 tiles per block x 16384 B = 196608 B >" in a100.on_chip_notes[0]
+    assert memory_traffic(a100).read_bytes > 100 * weights  # every step reads the weights again

@@ -43,8 +43,8 @@ def _mlp():
     """y = relu(x W.T + b) . V.T — elementwise stages after a short reduction (one output per
     thread, 32 per tile, like theirs), then a long reduction (one output per tile)."""
     b = GraphBuilder("mlp")
-    x = b.input("x", (4, 32))
-    h = b.op("relu", b.op("add", b.op("dense", x, b.param("w", _rand(64, 32)), name="xw"), b.param("b", _rand(64)),
+    x = b.input("x", (4, 16))
+    h = b.op("relu", b.op("add", b.op("dense", x, b.param("w", _rand(64, 16)), name="xw"), b.param("b", _rand(64)),
                           name="xwb"), name="h")
     return b.build(b.op("dense", h, b.param("v", _rand(64, 64)), name="y"))
 
@@ -133,7 +133,7 @@ def test_removing_a_needed_barrier_gives_wrong_results():
     stage reading a later block's tile reads memory that tile has not written yet."""
     graph = _mlp()
     staged = _staged(graph)
-    inputs = {"x": _rand(4, 32)}
+    inputs = {"x": _rand(4, 16)}
     w, bias, v = (graph.weights[k] for k in ("w", "b", "v"))
     expected = np.maximum(inputs["x"] @ w.T + bias, 0) @ v.T
 

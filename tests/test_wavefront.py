@@ -53,7 +53,7 @@ def test_wavefront_is_one_scan_and_matches_torch(name):
     assert report[0].startswith(f"lstm: {layers} layers x {steps} steps -> one wavefront scan of {steps + layers - 1}")
     gates, width = 4 * cfg["hidden_size"], max(cfg["input_size"], cfg["hidden_size"]) + cfg["hidden_size"]
     assert report[1].startswith(f"lstm: {4 * layers} per-layer weights -> wavefront.weight {[layers, gates, width]}, "
-                                f"wavefront.bias {[layers, gates]} ")
+                                f"wavefront.bias {[layers, 1, gates]} ")
     assert "wavefront.weight_ih" not in transformed.params and "wavefront.weight_hh" not in transformed.params
     assert (transformed.inputs, transformed.output_specs()) == (graph.inputs, graph.output_specs())
     assert not set(transformed.params) & set(graph.params)
@@ -110,7 +110,7 @@ def test_weights_are_stacked_with_each_units_gates_adjacent(name):
     assert not weight[0, :, inputs:width].any() and not weight[1, :, hidden:width].any()
     for layer in range(cfg["num_layers"]):
         np.testing.assert_array_equal(row[layer, width:], weights[f"weight_hh_l{layer}"][gate * hidden + unit])
-    np.testing.assert_allclose(stacked["wavefront.bias"][0, 4 * unit + gate],
+    np.testing.assert_allclose(stacked["wavefront.bias"][0, 0, 4 * unit + gate],
                                weights["bias_ih_l0"][gate * hidden + unit] + weights["bias_hh_l0"][gate * hidden + unit])
     if name == "wide_input":
         mask = stacked["wavefront.mask"][:, :, 0, 0]

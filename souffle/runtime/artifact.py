@@ -88,7 +88,10 @@ class KernelArtifact:
 
         arrays = {}
         for w in self.weights:
-            value = evaluate(w["recipe"], model_weights)
+            try:
+                value = evaluate(w["recipe"], model_weights)
+            except ValueError as err:  # numpy refusing to stack or concatenate mismatched shapes
+                raise SouffleError(f"weight {w['buffer']!r}: cannot be rebuilt from the given weights: {err}") from None
             if tuple(value.shape) != tuple(w["shape"]) or str(value.dtype) != w["dtype"]:
                 raise SouffleError(f"weight {w['buffer']!r}: expected {tuple(w['shape'])} {w['dtype']}, "
                                    f"got {value.shape} {value.dtype}")
