@@ -431,6 +431,28 @@ def _check_moves_data(chain: list[te.Tensor]):
                                 f"inline {stage.op.name} into its consumer instead")
 
 
+def recompute(tensor: te.Tensor, load, where: str) -> te.Tensor:
+    """``tensor``'s TE built again over fresh axes, each of its loads replaced by
+    ``load(tensor_read, indices, simplify)``, where ``simplify`` simplifies an index expression
+    with the new axes' ranges. Attributes are dropped (they name the tensors the old TE read)."""
+    op = tensor.op
+    reduce_axes = {ax.var: te.reduce_axis(ax.dom, ax.var.name) for ax in op.reduce_axis}
+
+    def body(*axes):
+        analyzer = tvm.sym.Analyzer()
+        variables = {}
+        for old, axis in zip(op.axis, axes):
+            analyzer.bind(axis, old.dom)
+            variables[old.var] = axis
+        for old_var, axis in reduce_axes.items():
+            analyzer.bind(axis.var, axis.dom)
+            variables[old_var] = axis.var
+        return Rewriter(variables, where, lambda read, indices: load(read, indices, analyzer.simplify),
+                        reduce_axes)(op.body[0])
+
+    return te.compute(tensor.shape, body, name=op.name, tag=op.tag, varargs_names=[ax.var.name for ax in op.axis])
+
+
 def rebuild(consumer: te.Tensor, chain: Sequence[te.Tensor]) -> te.Tensor:
     """``consumer`` recomputed to read ``chain[0]`` directly wherever it read ``chain[-1]``.
 
@@ -446,27 +468,13 @@ def rebuild(consumer: te.Tensor, chain: Sequence[te.Tensor]) -> te.Tensor:
         raise NotComposable(f"{consumer.op.name} does not read {target.op.name}, the end of the chain")
     if len(op.body) != 1:
         raise NotComposable(f"{op.name} has {len(op.body)} outputs; only single-output consumers are rebuilt")
-    reduce_axes = {ax.var: te.reduce_axis(ax.dom, ax.var.name) for ax in op.reduce_axis}
 
-    def body(*axes):
-        analyzer = tvm.sym.Analyzer()
-        variables = {}
-        for old, new in zip(op.axis, axes):
-            analyzer.bind(new, old.dom)
-            variables[old.var] = new
-        for old_var, new in reduce_axes.items():
-            analyzer.bind(new.var, new.dom)
-            variables[old_var] = new.var
+    def load(tensor, indices, simplify):
+        if tensor.op.same_as(target.op):
+            return composed.source(*[simplify(i) for i in composed.indices(indices)])
+        return tensor(*indices)
 
-        def load(tensor, indices):
-            if tensor.op.same_as(target.op):
-                return composed.source(*[analyzer.simplify(i) for i in composed.indices(indices)])
-            return tensor(*indices)
-
-        return Rewriter(variables, f"rebuilding {op.name}", load, reduce_axes)(op.body[0])
-
-    return te.compute(consumer.shape, body, name=op.name, tag=op.tag, attrs=op.attrs,
-                      varargs_names=[ax.var.name for ax in op.axis])
+    return recompute(consumer, load, f"rebuilding {op.name}")
 
 
 def rebuild_chain(chain: Sequence[te.Tensor]) -> te.Tensor:

@@ -132,6 +132,14 @@ class KernelPlan:
     def kernel_names(self) -> list[str]:
         return [f"{name}_kernel" for name in self.funcs]
 
+    def kernel_launches(self, launches: list | None = None):
+        """Every ``Launch``, host loops' bodies included once."""
+        for launch in self.launches if launches is None else launches:
+            if isinstance(launch, HostLoop):
+                yield from self.kernel_launches(list(launch.body))
+            else:
+                yield launch
+
 
 def kernel_plan(staged: StagedProgram) -> KernelPlan:
     """One kernel per run of items between kernel starts; a loop with a kernel start inside
@@ -147,10 +155,10 @@ def kernel_plan(staged: StagedProgram) -> KernelPlan:
                 name = f"k{len(plan.funcs)}" if many else "main"
                 plan.funcs[name] = persistent_kernel(staged, list(run), counters, name)
                 stages = list(_stages(run))
-                on_chip = sum(load.bytes for loop in _loops(run) for load in loop.loads)
+                loads = [load for loop in _loops(run) for load in loop.loads]
                 launches.append(Launch(name, any(s.barrier is not None for s in _items(run)),
-                                       max(s.schedule.n_tiles for s in stages), on_chip,
-                                       staged.min_grid if on_chip else 1))
+                                       max(s.schedule.n_tiles for s in stages), sum(load.bytes for load in loads),
+                                       max((load.min_grid for load in loads), default=1)))
                 run.clear()
 
         for item in items:

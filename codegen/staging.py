@@ -29,7 +29,7 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
-from analysis.affine import Rewriter
+from analysis.affine import recompute
 from analysis.dependence import (
     IslWriter,
     NotAffine,
@@ -108,7 +108,6 @@ class StagedProgram:
     transforms: list[str] = field(default_factory=list)  # what the program's transformations did
     partition: object = None  # ``analysis.partition.Partition`` (O3 and O4)
     on_chip_notes: list[str] = field(default_factory=list)  # weights kept on chip, or why not
-    min_grid: int = 1  # a launch with fewer blocks would leave on-chip weight slices unloaded
 
     @property
     def on_chip(self) -> list:
@@ -159,7 +158,8 @@ class StagedProgram:
 
     def table(self) -> str:
         """One line per stage: its tiling and why a barrier precedes it."""
-        head = (f"staged program {self.name}: {self.stage_count()} stages, {self.kernel_count()} kernels "
+        kernels = self.kernel_count()
+        head = (f"staged program {self.name}: {self.stage_count()} stages, {kernels} kernel{'s' * (kernels != 1)} "
                 f"({self.kernel_count(executed=True)} launched), {self.barrier_count()} grid barriers "
                 f"({self.barrier_count(executed=True)} executed), arena {self.arena_bytes / 1e6:.3f} MB")
         lines = [head]
@@ -231,20 +231,11 @@ class SlotArena:
 def isolate(tensor: te.Tensor) -> tuple[te.Tensor, list[te.Tensor]]:
     """``tensor``'s TE over fresh placeholders, one per tensor it reads (in ``input_tensors``
     order, returned with it), so that it compiles on its own as one stage."""
-    op = tensor.op
-    if len(op.body) != 1:
-        raise GraphError(f"{op.name}: TEs with {len(op.body)} outputs are not staged")
-    inputs = list(op.input_tensors)
+    if len(tensor.op.body) != 1:
+        raise GraphError(f"{tensor.op.name}: TEs with {len(tensor.op.body)} outputs are not staged")
+    inputs = list(tensor.op.input_tensors)
     holders = {t.op: te.placeholder(t.shape, t.dtype, name=f"{t.op.name}_in") for t in inputs}
-    reduce_axes = {ax.var: te.reduce_axis(ax.dom, ax.var.name) for ax in op.reduce_axis}
-
-    def body(*axes):
-        variables = dict(zip([ax.var for ax in op.axis], axes))
-        variables.update({old: new.var for old, new in reduce_axes.items()})
-        return Rewriter(variables, f"staging {op.name}", lambda t, idx: holders[t.op](*idx), reduce_axes)(op.body[0])
-
-    staged = te.compute(tensor.shape, body, name=op.name, tag=op.tag,  # attrs name the old placeholders
-                        varargs_names=[ax.var.name for ax in op.axis])
+    staged = recompute(tensor, lambda t, idx, _: holders[t.op](*idx), f"staging {tensor.op.name}")
     return staged, [holders[t.op] for t in inputs]
 
 
@@ -254,21 +245,10 @@ def isolate_epilogue(producer: te.Tensor, consumer: te.Tensor) -> tuple[te.Tenso
     outside = list(dict.fromkeys([t for t in producer.op.input_tensors]
                                  + [t for t in consumer.op.input_tensors if not t.op.same_as(producer.op)]))
     holders = {t.op: te.placeholder(t.shape, t.dtype, name=f"{t.op.name}_in") for t in outside}
-    inner = _over(producer, lambda t, idx: holders[t.op](*idx))
-    staged = _over(consumer, lambda t, idx: (inner if t.op.same_as(producer.op) else holders[t.op])(*idx))
+    inner = recompute(producer, lambda t, idx, _: holders[t.op](*idx), f"staging {producer.op.name}")
+    staged = recompute(consumer, lambda t, idx, _: (inner if t.op.same_as(producer.op) else holders[t.op])(*idx),
+                       f"staging {consumer.op.name}")
     return staged, [holders[t.op] for t in outside], outside
-
-
-def _over(tensor: te.Tensor, load) -> te.Tensor:
-    op = tensor.op
-    reduce_axes = {ax.var: te.reduce_axis(ax.dom, ax.var.name) for ax in op.reduce_axis}
-
-    def body(*axes):
-        variables = dict(zip([ax.var for ax in op.axis], axes))
-        variables.update({old: new.var for old, new in reduce_axes.items()})
-        return Rewriter(variables, f"staging {op.name}", load, reduce_axes)(op.body[0])
-
-    return te.compute(tensor.shape, body, name=op.name, tag=op.tag, varargs_names=[ax.var.name for ax in op.axis])
 
 
 def epilogue_mode(producer: te.Tensor, consumer: te.Tensor, threads: int) -> str | None:
@@ -623,6 +603,7 @@ class OnChip:
     read: int  # index into ``stage.reads``
     per_tile: int  # elements of the weight per tile
     slots: int  # tiles per block at the smallest grid the kernel is launched with
+    min_grid: int  # that smallest grid: one block per SM, or one per tile of the kernel's widest stage
     offset: int = 0  # where the block's copy starts in the on-chip memory of its dtype (elements)
 
     @property
@@ -670,31 +651,50 @@ def keep_weights_on_chip(staged: StagedProgram, device) -> StagedProgram:
     block holds them at the smallest grid the kernel may run with (one block per SM, or one per
     tile when there are fewer tiles). Loops that launch kernels from the host are left alone."""
     weights = {b for b in staged.weight_buffers}
-    staged.min_grid = min(device.sms, staged.max_tiles)
     budget = device.smem_per_block - max(s.schedule.shared_bytes for s in staged.stages())
-    for loop in [item for item in _all_loops(staged.items) if not item.on_host]:
-        for stage in _walk(loop.items):
-            for k, ref in enumerate(stage.reads):
-                if ref.base not in weights or not isinstance(ref.offset, int) or k in stage.on_chip:
-                    continue
-                per_tile = tile_slice(stage, k)
-                if per_tile is None:
-                    continue
-                slots = -(-stage.schedule.n_tiles // staged.min_grid)
-                load = OnChip(stage, k, per_tile, slots, sum(o.elements for o in staged.on_chip if o.dtype == ref.spec.dtype))
-                if load.bytes > budget:
-                    staged.on_chip_notes.append(
-                        f"{ref.spec.name} (read by {stage.name} in loop {loop.name}) stays in global memory: "
-                        f"{slots} tiles per block x {per_tile * np.dtype(ref.spec.dtype).itemsize} B = {load.bytes} B "
-                        f"> {budget} B of shared memory left per block on {device.name}")
-                    continue
-                budget -= load.bytes
-                stage.on_chip[k] = load
-                loop.loads.append(load)
-                staged.on_chip_notes.append(
-                    f"{ref.spec.name} (read by {stage.name} in loop {loop.name}) on chip: {slots} tiles per block "
-                    f"x {per_tile} elements, {load.bytes} B of shared memory per block, loaded once per inference")
+    for kernel in _kernels(staged.items):
+        min_grid = min(device.sms, max(s.schedule.n_tiles for s in _walk(kernel)))
+        for loop in [item for item in _all_loops(kernel) if not item.on_host]:
+            budget = _keep_on_chip(staged, loop, weights, min_grid, budget, device)
     return staged
+
+
+def _kernels(items: list) -> list[list]:
+    """The top-level items grouped by the kernel they run in."""
+    kernels: list[list] = []
+    for item in items:
+        if item.launch is not None or not kernels:
+            kernels.append([])
+        kernels[-1].append(item)
+    return kernels
+
+
+def _keep_on_chip(staged: StagedProgram, loop: Loop, weights: set, min_grid: int, budget: int, device) -> int:
+    """``keep_weights_on_chip`` for one loop; returns the shared memory per block left."""
+    for stage in _walk(loop.items):
+        for k, ref in enumerate(stage.reads):
+            if ref.base not in weights or not isinstance(ref.offset, int) or k in stage.on_chip:
+                continue
+            per_tile = tile_slice(stage, k)
+            if per_tile is None:
+                continue
+            slots = -(-stage.schedule.n_tiles // min_grid)
+            offset = sum(o.elements for o in staged.on_chip if o.dtype == ref.spec.dtype)
+            load = OnChip(stage, k, per_tile, slots, min_grid, offset)
+            where = f"{ref.spec.name} (read by {stage.name} in loop {loop.name})"
+            if load.bytes > budget:
+                staged.on_chip_notes.append(
+                    f"{where} stays in global memory: {slots} tiles per block x "
+                    f"{per_tile * np.dtype(ref.spec.dtype).itemsize} B = {load.bytes} B > {budget} B of shared "
+                    f"memory left per block on {device.name}")
+                continue
+            budget -= load.bytes
+            stage.on_chip[k] = load
+            loop.loads.append(load)
+            staged.on_chip_notes.append(
+                f"{where} on chip: {slots} tiles per block x {per_tile} elements, {load.bytes} B of shared memory "
+                f"per block at {min_grid} blocks or more, loaded once per inference")
+    return budget
 
 
 def on_chip_pointer(load: OnChip, buffer: tirx.Buffer, base, t, tile) -> tirx.PrimExpr:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import te
 
-from analysis.affine import Rewriter
+from analysis.affine import Rewriter, recompute
 from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD, is_call_to
 from souffle.errors import SouffleError
 from souffle.graph import Graph
@@ -148,31 +148,16 @@ def _inline_region(region: Region, renamed: dict) -> Region:
 
 def _rebuild(stage: te.Tensor, inlined: dict, new: dict) -> te.Tensor:
     """``stage`` over the rebuilt TEs, with the inlined ones substituted."""
-    op = stage.op
-    if not any(t.op in inlined or t.op in new for t in op.input_tensors):
+    if not any(t.op in inlined or t.op in new for t in stage.op.input_tensors):
         return stage
-    reduce_axes = {ax.var: te.reduce_axis(ax.dom, ax.var.name) for ax in op.reduce_axis}
 
-    def body(*axes):
-        analyzer = tvm.sym.Analyzer()
-        variables = {}
-        for old, axis in zip(op.axis, axes):
-            analyzer.bind(axis, old.dom)
-            variables[old.var] = axis
-        for old_var, axis in reduce_axes.items():
-            analyzer.bind(axis.var, axis.dom)
-            variables[old_var] = axis.var
+    def load(tensor, indices, simplify):
+        indices = [simplify(i) for i in indices]
+        if tensor.op in inlined:
+            return _substitute(inlined[tensor.op], indices)
+        return new.get(tensor.op, tensor)(*indices)
 
-        def load(tensor, indices):
-            indices = [analyzer.simplify(i) for i in indices]
-            if tensor.op in inlined:
-                return _substitute(inlined[tensor.op], indices)
-            return new.get(tensor.op, tensor)(*indices)
-
-        return Rewriter(variables, f"inlining into {op.name}", load, reduce_axes)(op.body[0])
-
-    return te.compute(stage.shape, body, name=op.name, tag=op.tag,
-                      varargs_names=[ax.var.name for ax in op.axis])
+    return recompute(stage, load, f"inlining into {stage.op.name}")
 
 
 def _substitute(producer: te.Tensor, indices: list) -> tvm.tirx.PrimExpr:

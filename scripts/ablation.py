@@ -75,7 +75,8 @@ def cuda_build(graph, level: int, inputs, on_gpu: bool, repeat: int) -> dict:
     model = souffle.compile(graph, target="cuda", opt_level=level)
     for arch in ARCHS:
         compile_cubin(model.source, arch, tuple(model.kernel_plan.kernel_names))
-    row = {"cuda": f"{model.kernel_count} kernels, {model.resources.registers} registers ({'/'.join(ARCHS)} built)",
+    kernels = f"{model.kernel_count} kernel{'s' * (model.kernel_count != 1)}"
+    row = {"cuda": f"{kernels}, {model.resources.registers} registers ({'/'.join(ARCHS)} built)",
            "cuda_kernels": model.kernel_count, "cuda_registers": model.resources.registers}
     if on_gpu:
         row["gpu_ms"] = statistics.median(model.benchmark(inputs, repeat=repeat)) * 1e3

@@ -25,15 +25,17 @@ def build_cuda(graph, program, staged, device: str | None, seconds: dict[str, fl
     plan = timed(seconds, "kernel", kernel_plan, staged)
     source = timed(seconds, "codegen", cuda_source, plan.funcs, model.arch)
     cubin, resources = timed(seconds, "nvcc", compile_cubin, source, model.arch, tuple(plan.kernel_names))
-    dynamic = {f"{launch.kernel}_kernel": launch.dynamic_shared for launch in _kernel_launches(plan.launches)}
+    launches = {f"{launch.kernel}_kernel": launch for launch in plan.kernel_launches()}
     occupancy = {}
     for name, used in resources.items():
+        launch = launches[name]
         try:
-            occupancy[name] = co_resident_grid(used.registers, used.shared_bytes + dynamic[name], model, staged.threads)
+            occupancy[name] = co_resident_grid(used.registers, used.shared_bytes + launch.dynamic_shared, model,
+                                               staged.threads)
         except TargetError as err:
             raise TargetError(f"kernel {name}: {err}") from None
-        if occupancy[name].grid < staged.min_grid:
-            raise TargetError(f"kernel {name}: its on-chip weights assume at least {staged.min_grid} blocks, but only "
+        if occupancy[name].grid < launch.min_grid:
+            raise TargetError(f"kernel {name}: its on-chip weights assume at least {launch.min_grid} blocks, but only "
                               f"{occupancy[name].grid} can be co-resident on {model.name}")
     orders = {name: argument_order(source, staged, name) for name in plan.kernel_names}
     return CudaModel(graph, program, staged, source, model, cubin, resources, occupancy, orders, plan, seconds)
@@ -132,12 +134,3 @@ def _launches_json(launches) -> list[dict]:
                         "min_grid": launch.min_grid})
     return out
 
-
-def _kernel_launches(launches):
-    from codegen.cuda import HostLoop
-
-    for launch in launches:
-        if isinstance(launch, HostLoop):
-            yield from _kernel_launches(launch.body)
-        else:
-            yield launch

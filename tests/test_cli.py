@@ -33,6 +33,8 @@ def test_explain_prints_graph_and_te_program(capsys):
     (["compile", "lstm", "--target", "tpu"], "unknown target 'tpu'"),
     (["compile", "lstm", "--emit-source", "x.cu"], "--emit-source writes CUDA source: it needs --target cuda"),
     (["compile", "mmoe", "--target", "cuda", "--device", "cpu", "--no-run"], "needs a GPU device model"),
+    (["compile", "mmoe", "--target", "llvm-persistent", "--opt-level", "7"], "opt level must be one of 0, 1, 2, 3, 4"),
+    (["compile", "mmoe", "--opt-level", "2"], "opt levels are the persistent kernel's"),
 ])
 def test_bad_arguments_exit_2_with_a_reason(capsys, argv, message):
     assert main(argv) == 2
@@ -83,3 +85,19 @@ def test_analyze_json_for_tools(capsys):
 def test_analyze_refuses_unknown_names(capsys, argv, message):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_opt_level_zero_is_one_kernel_per_te_and_still_checks(capsys):
+    assert main(["compile", "mmoe", "--target", "llvm-persistent", "--opt-level", "0", "--check", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "opt level      O0: one kernel per TE" in out and "kernels        58" in out
+    assert "launches       58 kernel launches per inference" in out and "check          PASS" in out
+
+
+def test_default_opt_level_reports_its_transformations(capsys):
+    assert main(["compile", "lstm", "--target", "llvm-persistent", "--check", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "opt level      O4: + post-optimizations" in out and "launches       1 kernel launch per inference" in out
+    assert "transform 1    wavefront: lstm: 3 layers x 5 steps -> one wavefront scan of 7 steps" in out
+    assert "on chip 1      weight (read by wavefront_step_r0/gate_product+state_next" in out
+    assert "partition      1 kernel: every stage co-resident" in out and "check          PASS" in out

@@ -149,7 +149,7 @@ def test_removing_a_needed_barrier_gives_wrong_results():
 
 def test_table_lists_stages_and_barrier_reasons():
     text = str(_staged(_mlp()))
-    assert text.splitlines()[0].startswith("staged program mlp: 4 stages, 1 kernels (1 launched), 1 grid barriers (1 executed)")
+    assert text.splitlines()[0].startswith("staged program mlp: 4 stages, 1 kernel (1 launched), 1 grid barriers (1 executed)")
     assert "-- grid barrier: reads h written by mlp_r0/h in other blocks" in text
     assert "mlp_r0/xw: thread_reduce 8 tiles x 32 elements, 32 threads" in text
     assert "mlp_r0/y: warp_reduce 256 tiles x 1 elements, 32 threads" in text
