@@ -36,7 +36,13 @@ from analysis.dependence import (
     access_relations,
     element_dependences,
 )
-from codegen.schedule import THREADS, StageSchedule, schedule_stage, tiling
+from codegen.schedule import (
+    THREADS,
+    ScheduleError,
+    StageSchedule,
+    schedule_stage,
+    tiling,
+)
 from codegen.stitch import BufferRef, Stitcher, align, c_name
 from souffle.errors import GraphError
 from souffle.graph import TensorSpec
@@ -300,16 +306,22 @@ class _Stager(Stitcher):
         return name if n == 0 else f"{name}:{n + 1}"
 
     def stage(self, name: str, tensor: te.Tensor, placeholders: list[te.Tensor], reads: list[BufferRef],
-              write: BufferRef, epilogue: str | None = None) -> Stage:
+              write: BufferRef, epilogue: str | None = None, scheduled=None) -> Stage:
+        func, schedule = scheduled or self.schedule(tensor, placeholders, epilogue)
+        return Stage(self.unique(name), tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
+
+    def schedule(self, tensor: te.Tensor, placeholders: list[te.Tensor], epilogue: str | None = None):
         func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), self.gpu, self.threads, epilogue)
         if epilogue is not None:  # tiles are counted in the epilogue's output, which the stage writes
             outputs = int(np.prod([int(d) for d in tensor.shape]))
             schedule = dataclasses.replace(schedule, per_tile=schedule.per_tile * outputs // schedule.outputs,
                                            outputs=outputs)
-        return Stage(self.unique(name), tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
+        return func, schedule
 
     def fusions(self, region: Region) -> dict:
-        """Consumer op -> (its reduction, mode) for every reduction fused with its one reader."""
+        """Consumer op -> (its reduction, mode, the fused TE, its placeholders, the tensors they
+        stand for, its schedule) for every reduction fused with its one reader. A pair TVM cannot
+        schedule that way (``reverse_compute_at`` refuses some access patterns) stays two stages."""
         if not self.epilogues:
             return {}
         kept = {t.op for t in region.output_tensors}
@@ -323,8 +335,14 @@ class _Stager(Stitcher):
             if not tensor.op.reduce_axis or tensor.op in kept or len(users) != 1 or tensor.op in fused:
                 continue
             mode = epilogue_mode(tensor, users[0], self.threads)
-            if mode is not None:
-                fused[users[0].op] = (tensor, mode)
+            if mode is None:
+                continue
+            staged, placeholders, outside = isolate_epilogue(tensor, users[0])
+            try:
+                scheduled = self.schedule(staged, placeholders, mode)
+            except (RuntimeError, ValueError, ScheduleError):  # TVM raises ValueError or InternalError
+                continue
+            fused[users[0].op] = (tensor, mode, staged, placeholders, outside, scheduled)
         return fused
 
     def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
@@ -336,7 +354,7 @@ class _Stager(Stitcher):
         for name in region.outputs:
             placed[region.tensors[name].op] = refs[name]
         fusions = self.fusions(region)
-        producers = {producer.op for producer, _ in fusions.values()}
+        producers = {fusion[0].op for fusion in fusions.values()}
         stages = []
         for tensor in region.stages():
             if tensor.op in producers:
@@ -347,11 +365,10 @@ class _Stager(Stitcher):
                 placed[tensor.op] = self.arena.alloc(spec)
             label = f"{region.name}/{name_of.get(tensor.op, tensor.op.name)}"
             if tensor.op in fusions:
-                producer, mode = fusions[tensor.op]
-                staged, placeholders, outside = isolate_epilogue(producer, tensor)
+                producer, mode, staged, placeholders, outside, scheduled = fusions[tensor.op]
                 label = f"{region.name}/{name_of.get(producer.op, producer.op.name)}+{name_of.get(tensor.op, tensor.op.name)}"
                 stages.append(self.stage(label, staged, placeholders, [placed[t.op] for t in outside],
-                                         placed[tensor.op], mode))
+                                         placed[tensor.op], mode, scheduled))
                 continue
             staged, placeholders = isolate(tensor)
             reads = [placed[t.op] for t in tensor.op.input_tensors]
