@@ -3,11 +3,11 @@
 A lent GPU machine has no TVM (its wheel does not fit the transfer), so the kernels are built
 here and run there:
 
-    python benchmarks/gpu_kernels.py export shared/gpu_kernels [--models ...] [--configs tiny paper]
+    python benchmarks/gpu_kernels.py export shared/gpu_kernels [--models ...] [--configs tiny paper] [--levels 0 4]
     python benchmarks/gpu_kernels.py run shared/gpu_kernels [--repeat 100] [--warmup 10] [--ncu]   # on the GPU
 
-``export`` compiles each model for target cuda and writes, per model and config, the kernel
-artifact (cubins for sm_80 and sm_90, the source, the call and the weight recipes), seeded
+``export`` compiles each model for target cuda (at each ``--levels`` opt level, by default
+the compiler's, O4) and writes, per model, config and level, the kernel artifact (cubins for sm_80 and sm_90, the source, the call and the weight recipes), seeded
 inputs and the PyTorch outputs. ``run`` needs only numpy and cuda-python: it rebuilds the
 weights from their seeds, launches each kernel cooperatively, compares every output with
 PyTorch's, times ``repeat`` inferences with CUDA events after ``warmup`` and writes
@@ -33,13 +33,14 @@ from souffle.runtime.artifact import Launcher
 from souffle.runtime.check import Check, export
 
 
-def export_all(directory: Path, names: list[str], configs: list[str]) -> None:
+def export_all(directory: Path, names: list[str], configs: list[str], levels: list[int] | None) -> None:
     for config in configs:
         for name in names:
-            target = directory / f"{name}_{config}"
-            model = export(name, config, target)
-            print(f"{target}: {model.kernel_count} kernel, {model.plan.stage_count()} stages, "
-                  f"{model.plan.barrier_count()} barriers")
+            for level in levels or [None]:
+                target = directory / (f"{name}_{config}" + ("" if level is None else f"_O{level}"))
+                model = export(name, config, target, opt_level=level)
+                print(f"{target}: {model.kernel_count} kernels, {model.plan.stage_count()} stages, "
+                      f"{model.plan.barrier_count()} barriers")
 
 
 NCU_METRICS = ["dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum"]
@@ -65,7 +66,8 @@ def run(directory: Path, repeat: int, warmup: int, ncu: bool) -> None:
         outputs = launcher.run(check.inputs)
         errors, ok = check.errors(outputs), check.passes(outputs)
         times = [t * 1e3 for t in launcher.benchmark(check.inputs, repeat=repeat, warmup=warmup)]
-        rows.append({"model": artifact.model, "config": artifact.config, "device": device.name, "arch": device.arch,
+        rows.append({"model": artifact.model, "config": artifact.config, "bundle": target.name,
+                     "device": device.name, "arch": device.arch, "kernels": len(artifact.kernels),
                      "grid": launcher.grid, "blocks_per_sm": launcher.blocks_per_sm, "threads": artifact.threads,
                      "max_abs_error": max(errors), "check": "PASS" if ok else "FAIL",
                      "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "runs": len(times)})
@@ -76,10 +78,10 @@ def run(directory: Path, repeat: int, warmup: int, ncu: bool) -> None:
                              "dram_read_mb": sum(x["dram__bytes_read.sum"] for x in launches) / 1e6,
                              "dram_write_mb": sum(x["dram__bytes_write.sum"] for x in launches) / 1e6,
                              "ncu_gpu_time_ms": sum(x["gpu__time_duration.sum"] for x in launches) / 1e6})
-    header = ("| model | config | grid | check (max abs error) | median | min | max | runs | kernels (ncu) "
-              "| DRAM read MB (ncu) | DRAM write MB (ncu) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    header = ("| bundle | grid | check (max abs error) | median | min | max | runs | kernels (ncu) "
+              "| DRAM read MB (ncu) | DRAM write MB (ncu) |\n|---|---|---|---|---|---|---|---|---|---|\n")
     table = header + "\n".join(
-        f"| {r['model']} | {r['config']} | {r['grid']} ({r['blocks_per_sm']}/SM) | {r['check']} ({r['max_abs_error']:.2g}) "
+        f"| {r['bundle']} | {r['grid']} ({r['blocks_per_sm']}/SM) | {r['check']} ({r['max_abs_error']:.2g}) "
         f"| {r['median_ms']:.3f} ms | {r['min_ms']:.3f} ms | {r['max_ms']:.3f} ms | {r['runs']} "
         f"| {r.get('ncu_launches', '-')} | {r.get('dram_read_mb', '-')} | {r.get('dram_write_mb', '-')} |" for r in rows)
     common.publish("gpu_kernels", rows, f"Device: {device.name} ({device.arch}, {device.sms} SMs)\n\n{table}",
@@ -94,12 +96,13 @@ def main() -> None:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--models", nargs="+", default=list(models.MODELS))
     parser.add_argument("--configs", nargs="+", default=["tiny", "paper"])
+    parser.add_argument("--levels", nargs="+", type=int, default=None, help="opt levels to export (default: O4)")
     parser.add_argument("--repeat", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--ncu", action="store_true", help="also count launches and DRAM bytes with Nsight Compute")
     args = parser.parse_args()
     if args.step == "export":
-        export_all(args.directory, args.models, args.configs)
+        export_all(args.directory, args.models, args.configs, args.levels)
     elif args.step == "once":
         once(args.directory)
     else:

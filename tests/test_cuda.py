@@ -221,3 +221,34 @@ def test_paper_lstm_keeps_its_weights_on_chip_on_h200_not_on_a100():
     a100 = staged_program(program, True, 256, 4, "a100")
     assert "stays in global memory: 12 tiles per block x 16384 B = 196608 B >" in a100.on_chip_notes[0]
     assert memory_traffic(a100).read_bytes > 100 * weights  # every step reads the weights again
+
+
+def test_launcher_runs_host_loops_and_passes_their_counters():
+    """The launch order of an O0 artifact, with recording kernels in place of a GPU."""
+    from souffle.runtime.artifact import Launcher
+
+    model = souffle.compile(models.build("lstm", "tiny"), target="cuda", opt_level=0)
+    artifact = model.artifact()
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self, grid, threads, args, cooperative, shared_bytes):
+            counters = [int(a) for a in args if isinstance(a, np.int64)]
+            calls.append((self.name, grid, threads, counters, cooperative, shared_bytes))
+
+    launcher = Launcher.__new__(Launcher)
+    launcher.artifact = artifact
+    launcher.kernels = {name: Recorder(name) for name in artifact.kernels}
+    launcher.grids = {name: 7 for name in artifact.kernels}
+    buffers = {name: object() for order in artifact.kernels.values() for name in order
+               if name != "grid_size" and not name.endswith("_i")}
+    launcher.launch(buffers)
+    assert len(calls) == model.plan.kernel_count(executed=True) == 334
+    assert all(grid == 7 and threads == (32, 8, 1) and not coop and shared == 0
+               for _, grid, threads, _, coop, shared in calls)
+    # layer 0's time loop passes its step; the layer loop's body passes layer and step
+    assert sorted({tuple(c) for _, _, _, c, _, _ in calls if len(c) == 1}) == [(i,) for i in range(5)]
+    assert sorted({tuple(c) for _, _, _, c, _, _ in calls if len(c) == 2}) == [(l, t) for l in range(2) for t in range(5)]

@@ -113,7 +113,7 @@ class Launcher:
         if cubin is None:
             cubin = rt.compile_cubin(artifact.source, self.device.arch, tuple(artifact.kernels))[0]
         self.kernels = {name: rt.Kernel(self.device, cubin, name) for name in artifact.kernels}
-        self.grids = {}
+        self.grids, self.per_sm = {}, {}
         for launch in _kernel_launches(artifact.launches):
             kernel = self.kernels[launch["kernel"]]
             kernel.allow_dynamic_shared(launch["dynamic_shared"])
@@ -127,6 +127,7 @@ class Launcher:
                 raise TargetError(f"{self.device.name}: kernel {launch['kernel']} keeps weights on chip for a grid of "
                                   f"at least {launch['min_grid']} blocks, but only {grid} fit")
             self.grids[launch["kernel"]] = grid
+            self.per_sm[launch["kernel"]] = per_sm
         self.resident = {name: self.device.upload(value) for name, value in artifact.weight_arrays(model_weights).items()}
         for name, (dtype, elements) in artifact.arenas.items():
             self.resident[name] = self.device.alloc(max(elements, 1) * np.dtype(dtype).itemsize)
@@ -135,6 +136,11 @@ class Launcher:
     def grid(self) -> int:
         """The widest grid any kernel launches with."""
         return max(self.grids.values())
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """Co-resident blocks per SM of the kernel with the widest grid."""
+        return self.per_sm[max(self.grids, key=self.grids.get)]
 
     def arguments(self, inputs: list[np.ndarray]):
         """The buffers by parameter name for these inputs (flat arrays in the artifact's input

@@ -15,13 +15,14 @@ import numpy as np
 from souffle.runtime.artifact import KernelArtifact
 
 
-def export(name: str, config: str, directory, archs: tuple[str, ...] = ("sm_80",)):
-    """Compile model ``name`` for cuda and write its bundle to ``directory``; returns the compiled model."""
+def export(name: str, config: str, directory, archs: tuple[str, ...] = ("sm_80",), opt_level: int | None = None):
+    """Compile model ``name`` for cuda (at ``opt_level``, by default the compiler's) and write its
+    bundle to ``directory``; returns the compiled model."""
     import souffle
     from souffle import models
 
     graph = models.build(name, config)
-    model = souffle.compile(graph, target="cuda")
+    model = souffle.compile(graph, target="cuda", opt_level=opt_level)
     target = model.artifact(config=config, seed=0, archs=archs).save(directory)
     inputs = models.make_inputs(name, config, seed=1)
     np.savez(target / "inputs.npz", **inputs)
