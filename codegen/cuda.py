@@ -27,10 +27,12 @@ from codegen.schedule import THREADS, WARP
 from codegen.staging import (
     Loop,
     StagedProgram,
+    loops_in,
     on_chip_loads,
     parameters_used,
     seq,
     slot_views,
+    stages_in,
     tiled_stage,
 )
 from souffle.errors import TargetError
@@ -91,7 +93,7 @@ def persistent_kernel(staged: StagedProgram, items: list | None = None, counters
     grid = tirx.Var(GRID_PARAM, "int32")
     whole = items is None
     items = staged.items if whole else items
-    memory = staged.on_chip_memory() if any(loop.loads for loop in _loops(items)) else {}
+    memory = staged.on_chip_memory() if any(loop.loads for loop in loops_in(items)) else {}
     allocations = [tirx.AllocBuffer(buffer) for buffer in memory.values()]
     views = slot_views(staged, None if whole else items)
     body = seq(allocations + views + _statements(items, block, grid, staged.threads, memory))
@@ -154,9 +156,10 @@ def kernel_plan(staged: StagedProgram) -> KernelPlan:
             if run:
                 name = f"k{len(plan.funcs)}" if many else "main"
                 plan.funcs[name] = persistent_kernel(staged, list(run), counters, name)
-                stages = list(_stages(run))
-                loads = [load for loop in _loops(run) for load in loop.loads]
-                launches.append(Launch(name, any(s.barrier is not None for s in _items(run)),
+                stages = list(stages_in(run))
+                loads = [load for loop in loops_in(run) for load in loop.loads]
+                barriers = [item for item in [*stages, *loops_in(run)] if item.barrier is not None]
+                launches.append(Launch(name, bool(barriers),
                                        max(s.schedule.n_tiles for s in stages), sum(load.bytes for load in loads),
                                        max((load.min_grid for load in loads), default=1)))
                 run.clear()
@@ -177,15 +180,6 @@ def kernel_plan(staged: StagedProgram) -> KernelPlan:
     return plan
 
 
-def _items(items):
-    for item in items:
-        yield item
-        if isinstance(item, Loop):
-            yield from _items(item.items)
-
-
-def _stages(items):
-    return (item for item in _items(items) if not isinstance(item, Loop))
 
 
 def cuda_target(arch: str) -> tvm.target.Target:
@@ -225,7 +219,7 @@ def kernel_signature(source: str, kernel: str = KERNEL_NAME) -> list[tuple[str, 
 def argument_order(source: str, staged: StagedProgram, kernel: str = KERNEL_NAME) -> list[str]:
     """The kernel's parameters as our buffer names, loop counters and ``grid_size``, in the
     order TVM chose."""
-    known = {b.name for b in staged.parameters()} | {loop.var.name for loop in _loops(staged.items)}
+    known = {b.name for b in staged.parameters()} | {loop.var.name for loop in loops_in(staged.items)}
     order = []
     for _, name in kernel_signature(source, kernel):
         base = name.removesuffix("_ptr")
@@ -233,10 +227,6 @@ def argument_order(source: str, staged: StagedProgram, kernel: str = KERNEL_NAME
             raise TargetError(f"kernel parameter {name!r} matches no buffer of the staged program")
         order.append(base)
     return order
-
-
-def _loops(items):
-    return (item for item in _items(items) if isinstance(item, Loop))
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ class StagedProgram:
 
     @property
     def on_chip(self) -> list:
-        return [load for loop in _all_loops(self.items) for load in loop.loads]
+        return [load for loop in loops_in(self.items) for load in loop.loads]
 
     @property
     def on_chip_bytes(self) -> int:
@@ -140,7 +140,7 @@ class StagedProgram:
 
     def stages(self) -> list[Stage]:
         """Every stage, loop bodies included once, in program order."""
-        return list(_walk(self.items))
+        return list(stages_in(self.items))
 
     def barrier_count(self, executed: bool = False) -> int:
         """Grid barriers in the code, or (``executed``) run per inference, loops unrolled."""
@@ -189,24 +189,26 @@ class StagedProgram:
     __str__ = table
 
 
-def _all_loops(items):
-    for item in items:
-        if isinstance(item, Loop):
-            yield item
-            yield from _all_loops(item.items)
-
-
 def synchronized(item) -> bool:
     """Whether every block waits for all others before ``item``: a grid barrier or a new kernel."""
     return item.barrier is not None or item.launch is not None
 
 
-def _walk(items):
+def stages_in(items):
+    """The stages of ``items``, loop bodies included once, in program order."""
     for item in items:
         if isinstance(item, Loop):
-            yield from _walk(item.items)
+            yield from stages_in(item.items)
         else:
             yield item
+
+
+def loops_in(items):
+    """The loops of ``items``, nested ones included, outer before inner."""
+    for item in items:
+        if isinstance(item, Loop):
+            yield item
+            yield from loops_in(item.items)
 
 
 def _count(items, predicate, executed: bool) -> int:
@@ -548,7 +550,7 @@ class _BarrierPass:
         the body as the first iteration, and again as a later one until no barrier is added."""
         self.scope.open.append(loop.var)
         if loop.barrier is None:
-            loop.barrier = next((why for s in _walk(loop.items)
+            loop.barrier = next((why for s in stages_in(loop.items)
                                  if (why := _conflict(s, self.writes, self.reads, self.scope))), None)
         if loop.barrier is not None:
             self.clear()
@@ -563,17 +565,10 @@ class _BarrierPass:
         self.scope.open.pop()
 
 
-def _loops(items):
-    for item in items:
-        if isinstance(item, Loop):
-            yield item
-            yield from _loops(item.items)
-
-
 def place_barriers(staged: StagedProgram) -> StagedProgram:
     """Mark the stages (and loops) that need a grid barrier before them, with the reason."""
     barriers = _BarrierPass()
-    barriers.scope.trips = {loop.var: loop.trips for loop in _loops(staged.items)}
+    barriers.scope.trips = {loop.var: loop.trips for loop in loops_in(staged.items)}
     barriers.run(staged.items)
     return staged
 
@@ -670,8 +665,8 @@ def keep_weights_on_chip(staged: StagedProgram, device) -> StagedProgram:
     weights = {b for b in staged.weight_buffers}
     budget = device.smem_per_block - max(s.schedule.shared_bytes for s in staged.stages())
     for kernel in _kernels(staged.items):
-        min_grid = min(device.sms, max(s.schedule.n_tiles for s in _walk(kernel)))
-        for loop in [item for item in _all_loops(kernel) if not item.on_host]:
+        min_grid = min(device.sms, max(s.schedule.n_tiles for s in stages_in(kernel)))
+        for loop in [item for item in loops_in(kernel) if not item.on_host]:
             budget = _keep_on_chip(staged, loop, weights, min_grid, budget, device)
     return staged
 
@@ -688,7 +683,7 @@ def _kernels(items: list) -> list[list]:
 
 def _keep_on_chip(staged: StagedProgram, loop: Loop, weights: set, min_grid: int, budget: int, device) -> int:
     """``keep_weights_on_chip`` for one loop; returns the shared memory per block left."""
-    for stage in _walk(loop.items):
+    for stage in stages_in(loop.items):
         for k, ref in enumerate(stage.reads):
             if ref.base not in weights or not isinstance(ref.offset, int) or k in stage.on_chip:
                 continue
@@ -749,7 +744,7 @@ def _as(x, dtype: str):
 
 # -- the scratch arena ------------------------------------------------------------------------
 def _first_stage(items) -> Stage | None:
-    return next(iter(_walk(items)), None)
+    return next(iter(stages_in(items)), None)
 
 
 def _live_ranges(staged: StagedProgram) -> dict:
@@ -771,7 +766,7 @@ def _live_ranges(staged: StagedProgram) -> dict:
                 start = phase
                 inner_first = _first_stage(item.items)
                 first_access: dict = {}
-                for s in _walk(item.items):
+                for s in stages_in(item.items):
                     for ref in s.reads:
                         first_access.setdefault(ref.base, "read")
                     first_access.setdefault(s.write.base, "write" if isinstance(s.write.offset, int) else "read")
@@ -835,7 +830,7 @@ def slot_views(staged: StagedProgram, items: list | None = None) -> list[tirx.St
 
 def buffers_used(items: list) -> set:
     """The buffers (slots, inputs, weights, outputs) the stages of ``items`` read or write."""
-    return {ref.base for stage in _walk(items) for ref in stage.reads + [stage.write]}
+    return {ref.base for stage in stages_in(items) for ref in stage.reads + [stage.write]}
 
 
 def parameters_used(staged: StagedProgram, items: list) -> list[tirx.Buffer]:
