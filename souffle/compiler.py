@@ -253,7 +253,7 @@ def staged_program(program: TEProgram, gpu: bool, threads: int, level: int = 4, 
         staged = barrier_per_stage(staged, "O3: every stage boundary synchronizes the grid")
     else:
         staged = place_barriers(staged)
-    model = _gpu_model(device or "h200")
+    model = gpu_device_model(device or "h200")
     staged.partition = partition(staged, model)
     staged = split_kernels(staged, staged.partition.splits)
     if level >= 4:
@@ -261,7 +261,8 @@ def staged_program(program: TEProgram, gpu: bool, threads: int, level: int = 4, 
     return plan_arena(staged)
 
 
-def _gpu_model(name: str):
+def gpu_device_model(name: str):
+    """The GPU device model ``name``; the persistent kernel's grid and partition are sized by one."""
     from analysis.device import get_device
 
     model = get_device(name)

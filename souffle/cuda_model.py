@@ -9,19 +9,16 @@ cuda-python and launches it cooperatively, sizing the grid with the driver's occ
 
 from __future__ import annotations
 
-from souffle.compiler import CompiledModel, Report, timed
+from souffle.compiler import CompiledModel, Report, gpu_device_model, timed
 from souffle.errors import TargetError
 from souffle.runtime.artifact import KernelArtifact, Launcher, TensorSlot
 
 
 def build_cuda(graph, program, staged, device: str | None, seconds: dict[str, float]) -> CudaModel:
-    from analysis.device import get_device
     from codegen.cuda import argument_order, co_resident_grid, cuda_source, kernel_plan
     from souffle.runtime.cuda import compile_cubin
 
-    model = get_device(device or "h200")
-    if model.kind != "gpu":
-        raise TargetError(f"target 'cuda' needs a GPU device model, not {model.name!r}; use 'h200' or 'a100'")
+    model = gpu_device_model(device or "h200")
     plan = timed(seconds, "kernel", kernel_plan, staged)
     source = timed(seconds, "codegen", cuda_source, plan.funcs, model.arch)
     cubin, resources = timed(seconds, "nvcc", compile_cubin, source, model.arch, tuple(plan.kernel_names))
