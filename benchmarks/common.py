@@ -63,20 +63,21 @@ def summarize(samples_ms: list[float]) -> dict:
             "runs": len(samples_ms)}
 
 
-def write(name: str, payload: dict, table: str) -> tuple[Path, Path]:
-    RESULTS.mkdir(exist_ok=True)
-    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+def write(name: str, payload: dict, table: str, results: Path = RESULTS) -> tuple[Path, Path]:
+    results.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = results / f"{name}.json", results / f"{name}.md"
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(table + "\n")
     return json_path, md_path
 
 
-def publish(name: str, rows: list[dict], table: str, packages: tuple[str, ...], timing: str) -> None:
+def publish(name: str, rows: list[dict], table: str, packages: tuple[str, ...], timing: str,
+            results: Path = RESULTS) -> None:
     """Write the rows with the command, machine and versions as JSON, and the table as markdown."""
     payload = {"command": command(), "machine": machine(), "versions": versions(*packages), "timing": timing,
                "results": rows}
     md = (f"Command: `{payload['command']}`\n\nMachine: {payload['machine']['cpu']}, {payload['machine']['cores']} "
           f"cores. Versions: {payload['versions']}\n\n" + table)
-    json_path, md_path = write(name, payload, md)
+    json_path, md_path = write(name, payload, md, results)
     print(md)
     print(f"wrote {json_path} and {md_path}")
