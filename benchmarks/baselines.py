@@ -258,7 +258,7 @@ def tune(mod, target, work_dir: Path, trials_per_task: int) -> dict:
     return {**done, "reused": False}
 
 
-def _relax_runner(executable, case: Case, static: bool = True) -> Built:
+def _relax_runner(executable, case: Case) -> Built:
     import tvm
     from tvm import relax
 
