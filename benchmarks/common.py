@@ -63,7 +63,8 @@ def summarize(samples_ms: list[float]) -> dict:
             "runs": len(samples_ms)}
 
 
-def write(name: str, payload: dict, table: str, results: Path = RESULTS) -> tuple[Path, Path]:
+def write(name: str, payload: dict, table: str, results: Path | None = None) -> tuple[Path, Path]:
+    results = RESULTS if results is None else results
     results.mkdir(parents=True, exist_ok=True)
     json_path, md_path = results / f"{name}.json", results / f"{name}.md"
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
@@ -72,7 +73,7 @@ def write(name: str, payload: dict, table: str, results: Path = RESULTS) -> tupl
 
 
 def publish(name: str, rows: list[dict], table: str, packages: tuple[str, ...], timing: str,
-            results: Path = RESULTS) -> None:
+            results: Path | None = None) -> None:
     """Write the rows with the command, machine and versions as JSON, and the table as markdown."""
     payload = {"command": command(), "machine": machine(), "versions": versions(*packages), "timing": timing,
                "results": rows}
