@@ -46,12 +46,13 @@ def command() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
 
 
-def time_call(fn, warmup: int, repeat: int) -> dict:
-    """Median, min and max wall time of ``fn()`` in ms after ``warmup`` untimed calls."""
+def time_call(fn, warmup: int, repeat: int, budget_s: float | None = None, min_runs: int = 1) -> dict:
+    """Median, min and max wall time of ``fn()`` in ms after ``warmup`` untimed calls: ``repeat``
+    runs, or fewer (at least ``min_runs``) once ``budget_s`` seconds of runs have passed."""
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(repeat):
+    samples: list[float] = []
+    while len(samples) < repeat and (budget_s is None or len(samples) < min_runs or sum(samples) / 1e3 < budget_s):
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1e3)

@@ -18,7 +18,6 @@ import argparse
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,18 +35,9 @@ MIN_RUNS = 3
 
 
 def measure(run, inputs, warmup: int, repeat: int, budget_s: float) -> dict:
-    """Median and spread of ``run(inputs)`` wall times after ``warmup`` calls: ``repeat`` runs, or
-    fewer (at least ``MIN_RUNS``) once ``budget_s`` seconds of runs have passed."""
-    for _ in range(warmup):
-        run(inputs)
-    samples: list[float] = []
-    spent = 0.0
-    while len(samples) < repeat and (len(samples) < MIN_RUNS or spent < budget_s):
-        start = time.perf_counter()
-        run(inputs)
-        samples.append((time.perf_counter() - start) * 1e3)
-        spent += samples[-1] / 1e3
-    return common.summarize(samples)
+    """``common.time_call`` of ``run(inputs)``, stopping after ``budget_s`` seconds of runs once it
+    has ``MIN_RUNS``."""
+    return common.time_call(lambda: run(inputs), warmup, repeat, budget_s, MIN_RUNS)
 
 
 def compare_model(model: str, args) -> list[dict]:
