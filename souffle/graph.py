@@ -16,38 +16,15 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from souffle.errors import GraphError, WeightError
+from souffle.tensor import TensorSpec  # defined apart so that souffle.ops need not import the graph
 
-SUPPORTED_DTYPES = ("float32", "float16", "int32", "int64")
 
+def _infer_outputs(kind: str, in_specs: Sequence[TensorSpec], attrs: Mapping[str, object], name: str):
+    """``souffle.ops.infer_outputs``, imported on first use: the ops' lowerings import TVM, and
+    ``import souffle`` must not, so that a machine with only numpy and cuda-python loads kernels."""
+    from souffle.ops import infer_outputs
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor's name, static shape and dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str = "float32"
-
-    def __post_init__(self):
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise GraphError(
-                f"tensor {self.name!r}: dtype {self.dtype!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_DTYPES)})"
-            )
-        if any(d <= 0 for d in self.shape):
-            raise GraphError(f"tensor {self.name!r}: shape {self.shape} has a non-positive dimension")
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
-
-    def __str__(self):
-        return f"{self.name}: {self.dtype}{list(self.shape)}"
+    return infer_outputs(kind, in_specs, attrs, name)
 
 
 @dataclass(frozen=True)
@@ -158,8 +135,6 @@ class Graph:
             ) from None
 
     def _validate(self):
-        from souffle.ops import infer_outputs
-
         for spec in self.inputs:
             self._define(spec, "input")
         for spec in self.params.values():
@@ -169,7 +144,7 @@ class Graph:
             if isinstance(op, Scan):
                 out_specs = _infer_scan(op, in_specs)
             else:
-                out_specs = infer_outputs(op.kind, in_specs, op.attrs, op.outputs[0])
+                out_specs = _infer_outputs(op.kind, in_specs, op.attrs, op.outputs[0])
                 if len(out_specs) != len(op.outputs):
                     raise GraphError(
                         f"op {op.outputs[0]!r} ({op.kind}) produces {len(out_specs)} outputs, "
@@ -346,11 +321,9 @@ class GraphBuilder:
 
     def op(self, kind: str, *inputs: str, name: str | None = None, n_outputs: int | None = None, **attrs):
         """Add an op; returns its output name (or a tuple of names for several outputs)."""
-        from souffle.ops import infer_outputs
-
         in_specs = [self.spec(n) for n in inputs]
         base = name or kind
-        out_specs = infer_outputs(kind, in_specs, attrs, base)
+        out_specs = _infer_outputs(kind, in_specs, attrs, base)
         if n_outputs is not None and n_outputs != len(out_specs):
             raise GraphError(f"op {base!r} ({kind}) produces {len(out_specs)} outputs, not {n_outputs}")
         if len(out_specs) == 1:

@@ -1,8 +1,13 @@
 """The registry's contract: unknown ops, arity and attributes are refused with clear
 messages, and an infer rule's refusal reaches the user as a GraphError naming the op."""
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import pytest
+
+import souffle.ops
 
 from souffle.errors import GraphError, UnknownOpError
 from souffle.graph import GraphBuilder
@@ -105,3 +110,16 @@ def test_infer_outputs_fills_defaults():
 def test_registering_a_kind_twice_is_refused():
     with pytest.raises(ValueError, match="registered twice"):
         register_op("relu", infer=lambda specs, attrs: [], n_inputs=1)(lambda inputs: None)
+
+
+def test_ops_do_not_import_the_graph():
+    """The graph calls the ops' rules to validate itself; the ops see only souffle.tensor's TensorSpec."""
+    for path in Path(souffle.ops.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            assert "souffle.graph" not in modules, f"{path.name} imports souffle.graph"

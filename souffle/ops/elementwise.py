@@ -7,9 +7,9 @@ import math
 import tvm
 from tvm import te, topi
 
-from souffle.graph import SUPPORTED_DTYPES
 from souffle.ops.common import int_list, is_real, require_float, require_same_dtype
 from souffle.ops.registry import fail, register_op
+from souffle.tensor import SUPPORTED_DTYPES
 
 
 def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

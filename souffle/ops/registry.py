@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from souffle.errors import GraphError, UnknownOpError
-from souffle.graph import TensorSpec
+from souffle.tensor import TensorSpec
 
 Shape = tuple[int, ...]
 InferFn = Callable[[Sequence[TensorSpec], Mapping[str, object]], list[tuple[Shape, str]]]
