@@ -25,6 +25,10 @@ class InputError(SouffleError, ValueError):
     """Run-time inputs of the wrong number, shape or dtype."""
 
 
+class ExportError(SouffleError, ValueError):
+    """A graph that cannot be written as ONNX: no weights, or an op kind with no export rule."""
+
+
 class _UnknownNameError(SouffleError, KeyError):
     """A name lookup that failed; its message prints as written, not quoted as KeyError's would be."""
 

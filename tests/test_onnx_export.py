@@ -1,6 +1,10 @@
 """ONNX export: ONNX Runtime and TVM Relax run the exported model and get PyTorch's numbers."""
 
+import dataclasses
 import functools
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -10,7 +14,8 @@ import pytest
 from souffle import models
 from souffle.errors import SouffleError
 from souffle.graph import GraphBuilder
-from souffle.onnx_export import ONNX_RULES, ExportError, onnx_rule, to_onnx
+from souffle.onnx_export import ExportError, to_onnx
+from souffle.ops import REGISTRY, export_rule
 
 
 @functools.cache
@@ -217,8 +222,12 @@ def test_packed_op_is_refused_by_name():
         to_onnx(graph)
 
 
+def _without_export_rule(monkeypatch, kind):
+    monkeypatch.setitem(REGISTRY, kind, dataclasses.replace(REGISTRY[kind], export=None))
+
+
 def test_op_without_a_rule_inside_a_scan_is_refused_by_name(monkeypatch):
-    monkeypatch.delitem(ONNX_RULES, "tanh")
+    _without_export_rule(monkeypatch, "tanh")
     with pytest.raises(ExportError, match=r"op 'tanh' \(output 'layer0/tanh_\d+'\) has no ONNX export rule") as err:
         to_onnx(models.build("lstm", "tiny"))
     assert "tanh" not in str(err.value).split("rules exist for: ")[1].split(", ")
@@ -237,15 +246,15 @@ def test_unsupported_opset_is_refused():
 
 def test_rule_registry_refuses_unknown_and_duplicate_kinds():
     with pytest.raises(ValueError, match="op 'no_such_op' is not registered"):
-        onnx_rule("no_such_op")
+        export_rule("no_such_op")
     with pytest.raises(ValueError, match="op 'relu' has two ONNX export rules"):
-        onnx_rule("relu")(lambda e, inputs, outputs, attrs: None)
+        export_rule("relu")(lambda e, inputs, outputs, attrs: None)
 
 
 def test_a_new_rule_is_one_decorated_function(monkeypatch):
-    monkeypatch.delitem(ONNX_RULES, "relu")
+    _without_export_rule(monkeypatch, "relu")
 
-    @onnx_rule("relu")
+    @export_rule("relu")
     def relu_as_max(e, inputs, outputs, attrs):
         e.node("Max", [inputs[0], e.scalar(0.0, inputs[0])], outputs)
 
@@ -253,3 +262,16 @@ def test_a_new_rule_is_one_decorated_function(monkeypatch):
     model = to_onnx(_one_op_graph("relu", [x], {}))
     assert [n.op_type for n in model.graph.node] == ["Constant", "Max"]
     np.testing.assert_array_equal(_ort_run(model, {"in0": x})[0], np.maximum(x, 0))
+
+
+def test_every_op_but_the_packed_ones_has_an_export_rule():
+    """The packed ops exist only after a CPU transformation; every op a model is built from exports."""
+    assert {kind for kind, rule in REGISTRY.items() if rule.export is None} == {"dense_packed", "conv2d_packed"}
+
+
+def test_the_ops_and_their_export_rules_import_no_onnx():
+    """onnx is a dev extra: the rules beside the lowerings only call the Emitter's methods."""
+    script = "import sys, souffle.ops; assert not [m for m in sys.modules if m.split('.')[0] == 'onnx']"
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, check=False, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tvm
 from tvm import te, topi
 
 from souffle.ops.common import int_list, is_real, require_float, require_same_dtype
-from souffle.ops.registry import fail, register_op
+from souffle.ops.registry import export_rule, fail, register_op
 from souffle.tensor import SUPPORTED_DTYPES
 
 
@@ -48,9 +49,22 @@ def _const(value: float, like: te.Tensor):
     return tvm.tirx.const(value, like.dtype)
 
 
+def _onnx_node(op_type: str):
+    """The export rule of an op that is one ONNX ``op_type`` node on the same inputs (binary
+    ops broadcast as NumPy does, as topi's do)."""
+
+    def export(e, inputs, outputs, attrs):
+        e.node(op_type, inputs, outputs)
+
+    return export
+
+
 @register_op("relu", infer=_same, n_inputs=1)
 def relu(inputs):
     return topi.nn.relu(inputs[0])
+
+
+export_rule("relu")(_onnx_node("Relu"))
 
 
 @register_op("sigmoid", infer=_float_same, n_inputs=1)
@@ -58,9 +72,15 @@ def sigmoid(inputs):
     return topi.sigmoid(inputs[0])
 
 
+export_rule("sigmoid")(_onnx_node("Sigmoid"))
+
+
 @register_op("tanh", infer=_float_same, n_inputs=1)
 def tanh(inputs):
     return topi.tanh(inputs[0])
+
+
+export_rule("tanh")(_onnx_node("Tanh"))
 
 
 @register_op("gelu", infer=_float_same, n_inputs=1)
@@ -71,6 +91,15 @@ def gelu(inputs):
     return te.compute(x.shape, lambda *i: half * x(*i) * (one + te.erf(x(*i) * inv_sqrt2)), name="gelu")
 
 
+@export_rule("gelu")
+def _gelu_onnx(e, inputs, outputs, attrs):
+    """Exact GELU, 0.5 * x * (1 + erf(x / sqrt(2))), in the lowering's order of operations."""
+    (x,) = inputs
+    erf = e.node("Erf", [e.node("Mul", [x, e.scalar(1.0 / math.sqrt(2.0), x)])])
+    half_x = e.node("Mul", [e.scalar(0.5, x), x])
+    e.node("Mul", [half_x, e.node("Add", [e.scalar(1.0, x), erf])], outputs)
+
+
 @register_op("silu", infer=_float_same, n_inputs=1)
 def silu(inputs):
     """x * sigmoid(x), as torch.nn.SiLU()."""
@@ -78,9 +107,18 @@ def silu(inputs):
     return te.compute(x.shape, lambda *i: x(*i) * te.sigmoid(x(*i)), name="silu")
 
 
+@export_rule("silu")
+def _silu_onnx(e, inputs, outputs, attrs):
+    (x,) = inputs
+    e.node("Mul", [x, e.node("Sigmoid", [x])], outputs)
+
+
 @register_op("add", infer=_binary, n_inputs=2)
 def add(inputs):
     return topi.add(inputs[0], inputs[1])
+
+
+export_rule("add")(_onnx_node("Add"))
 
 
 @register_op("sub", infer=_binary, n_inputs=2)
@@ -88,14 +126,23 @@ def sub(inputs):
     return topi.subtract(inputs[0], inputs[1])
 
 
+export_rule("sub")(_onnx_node("Sub"))
+
+
 @register_op("mul", infer=_binary, n_inputs=2)
 def mul(inputs):
     return topi.multiply(inputs[0], inputs[1])
 
 
+export_rule("mul")(_onnx_node("Mul"))
+
+
 @register_op("div", infer=_float_binary, n_inputs=2)
 def div(inputs):
     return topi.divide(inputs[0], inputs[1])
+
+
+export_rule("div")(_onnx_node("Div"))
 
 
 def _scale(specs, attrs):
@@ -110,10 +157,19 @@ def scale(inputs, factor):
     return topi.multiply(inputs[0], _const(float(factor), inputs[0]))
 
 
+@export_rule("scale")
+def _scale_onnx(e, inputs, outputs, attrs):
+    (x,) = inputs
+    e.node("Mul", [x, e.scalar(float(attrs["factor"]), x)], outputs)
+
+
 @register_op("copy", infer=_same, n_inputs=1)
 def copy(inputs):
     """A fresh tensor equal to the input (an op's output must be its own buffer)."""
     return topi.identity(inputs[0])
+
+
+export_rule("copy")(_onnx_node("Identity"))
 
 
 def _full(specs, attrs):
@@ -135,3 +191,10 @@ def full(inputs, shape, value, dtype):
     """A constant tensor, like torch.full."""
     fill = value if dtype.startswith("float") else int(value)
     return topi.full(int_list(shape, "shape"), dtype, fill)
+
+
+@export_rule("full")
+def _full_onnx(e, inputs, outputs, attrs):
+    """ConstantOfShape, not a Constant holding every element: the model stays small."""
+    fill = np.array([attrs["value"]], dtype=attrs["dtype"])
+    e.node("ConstantOfShape", [e.const(int_list(attrs["shape"], "shape"))], outputs, value=fill)

@@ -23,7 +23,7 @@ from souffle.ops.common import (
     shape_of,
 )
 from souffle.ops.elementwise import broadcast_shape
-from souffle.ops.registry import fail, register_op
+from souffle.ops.registry import export_rule, fail, register_op
 
 
 def _reshape(tensor: te.Tensor, shape) -> te.Tensor:
@@ -56,6 +56,22 @@ def dense(inputs):
     lead = shape_of(x)[:-1]
     y = topi.nn.dense(_reshape(x, (prod(lead), x.shape[-1])), w, inputs[2] if len(inputs) == 3 else None)
     return _reshape(y, lead + (int(w.shape[0]),))
+
+
+@export_rule("dense")
+def _dense_onnx(e, inputs, outputs, attrs):
+    """x @ W.T (+ b) as MatMul on W's shared transpose (``Emitter.transposed``) and Add; other
+    ranks than 2 go through 2-D. (A per-use Gemm(transB=1) becomes a per-use transpose in TVM's
+    frontend, which its constant folding copies for every unrolled step.)"""
+    x, weight = inputs[:2]
+    lead = e.shape(x)[:-1]
+    rows = x if len(lead) == 1 else e.node("Reshape", [x, e.const([prod(lead), e.shape(x)[-1]])])
+    last = len(inputs) == 2 and len(lead) == 1
+    y = e.node("MatMul", [rows, e.transposed(weight)], outputs if last else e.fresh(f"{outputs[0]}.matmul"))
+    if len(inputs) == 3:
+        y = e.node("Add", [y, inputs[2]], outputs if len(lead) == 1 else e.fresh(f"{outputs[0]}.bias"))
+    if len(lead) != 1:
+        e.node("Reshape", [y, e.const([*lead, e.shape(weight)[0]])], outputs)
 
 
 def _matmul(specs, attrs):
@@ -96,6 +112,19 @@ def matmul(inputs, transpose_b):
     return _reshape(y, batch + shape_of(y)[1:])
 
 
+def _swap_last_two(rank: int) -> list[int]:
+    return [*range(rank - 2), rank - 1, rank - 2]
+
+
+@export_rule("matmul")
+def _matmul_onnx(e, inputs, outputs, attrs):
+    """torch.matmul is ONNX MatMul (batch dimensions broadcast alike)."""
+    a, b = inputs
+    if attrs["transpose_b"]:
+        b = e.node("Transpose", [b], perm=_swap_last_two(len(e.shape(b))))
+    e.node("MatMul", [a, b], outputs)
+
+
 def _batch_matmul(specs, attrs):
     a, b = specs
     require_bool(attrs, "transpose_a", "transpose_b")
@@ -115,6 +144,16 @@ def _batch_matmul(specs, attrs):
 def batch_matmul(inputs, transpose_a, transpose_b):
     """torch.bmm, with either operand optionally stored transposed."""
     return topi.nn.batch_matmul(inputs[0], inputs[1], transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+@export_rule("batch_matmul")
+def _batch_matmul_onnx(e, inputs, outputs, attrs):
+    a, b = inputs
+    if attrs["transpose_a"]:
+        a = e.node("Transpose", [a], perm=[0, 2, 1])
+    if attrs["transpose_b"]:
+        b = e.node("Transpose", [b], perm=[0, 2, 1])
+    e.node("MatMul", [a, b], outputs)
 
 
 # -- convolution -------------------------------------------------------------------------------
@@ -185,6 +224,15 @@ def conv2d(inputs, stride, padding, dilation, groups):
     return te.compute(y.shape, lambda n, o, i, j: y[n, o, i, j] + bias[o], name="conv2d_bias")
 
 
+@export_rule("conv2d")
+def _conv2d_onnx(e, inputs, outputs, attrs):
+    _, stride, padding, dilation = _window_attrs(attrs)
+    e.node(
+        "Conv", inputs, outputs, kernel_shape=list(e.shape(inputs[1])[2:]), strides=list(stride),
+        pads=[*padding, *padding], dilations=list(dilation), group=int(attrs["groups"]),
+    )
+
+
 # -- normalization -----------------------------------------------------------------------------
 def _batch_norm(specs, attrs):
     x = specs[0]
@@ -203,6 +251,12 @@ def _batch_norm(specs, attrs):
 def batch_norm(inputs, eps):
     """Inference batch norm over axis 1 with running statistics (torch's eval mode)."""
     return topi.nn.batch_norm(*inputs, axis=1, epsilon=float(eps))[0]
+
+
+@export_rule("batch_norm")
+def _batch_norm_onnx(e, inputs, outputs, attrs):
+    """Inference mode: (x - mean) / sqrt(var + eps) * gamma + beta; ONNX takes the same input order."""
+    e.node("BatchNormalization", inputs, outputs, epsilon=float(attrs["eps"]))
 
 
 def _layer_norm(specs, attrs):
@@ -225,6 +279,11 @@ def layer_norm(inputs, eps):
     return topi.nn.layer_norm(x, inputs[1], inputs[2], axis=[len(x.shape) - 1], epsilon=float(eps))
 
 
+@export_rule("layer_norm")
+def _layer_norm_onnx(e, inputs, outputs, attrs):
+    e.node("LayerNormalization", inputs, outputs, axis=-1, epsilon=float(attrs["eps"]))
+
+
 def _softmax(specs, attrs):
     require_float(specs[0])
     normalize_axis(attrs["axis"], len(specs[0].shape))
@@ -235,6 +294,12 @@ def _softmax(specs, attrs):
 def softmax(inputs, axis):
     x = inputs[0]
     return topi.nn.softmax(x, axis=normalize_axis(axis, len(x.shape)))
+
+
+@export_rule("softmax")
+def _softmax_onnx(e, inputs, outputs, attrs):
+    (x,) = inputs
+    e.node("Softmax", [x], outputs, axis=normalize_axis(attrs["axis"], len(e.shape(x))))
 
 
 # -- pooling and reductions --------------------------------------------------------------------
@@ -263,6 +328,19 @@ def _topi_pool(x, pool_type, attrs, count_include_pad=True):
     )
 
 
+def _onnx_pool_window(e, x: str, attrs) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """(kernel, stride, begin pads, end pads, dilation) giving torch's output size with ceil_mode
+    off: a ceil_mode window becomes explicit end padding, so the size never rests on how an ONNX
+    implementation reads ceil_mode (torch drops a window that would start in the right padding)."""
+    kernel, stride, padding, dilation = _window_attrs(attrs)
+    end = []
+    for i, size in enumerate(e.shape(x)[2:]):
+        count = _window_count(size, kernel[i], stride[i], padding[i], dilation[i], attrs["ceil_mode"])
+        span = dilation[i] * (kernel[i] - 1) + 1
+        end.append(max(padding[i], (count - 1) * stride[i] + span - size - padding[i]))
+    return list(kernel), list(stride), list(padding), end, list(dilation)
+
+
 @register_op(
     "max_pool2d", infer=_pool2d, n_inputs=1,
     attrs={"kernel": None, "stride": None, "padding": 0, "dilation": 1, "ceil_mode": False},
@@ -272,6 +350,13 @@ def max_pool2d(inputs, **attrs):
     return _topi_pool(inputs[0], "max", attrs)
 
 
+@export_rule("max_pool2d")
+def _max_pool2d_onnx(e, inputs, outputs, attrs):
+    (x,) = inputs
+    kernel, stride, begin, end, dilation = _onnx_pool_window(e, x, attrs)
+    e.node("MaxPool", [x], outputs, kernel_shape=kernel, strides=stride, pads=begin + end, dilations=dilation)
+
+
 @register_op(
     "avg_pool2d", infer=_pool2d, n_inputs=1,
     attrs={"kernel": None, "stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True},
@@ -279,6 +364,22 @@ def max_pool2d(inputs, **attrs):
 def avg_pool2d(inputs, **attrs):
     """torch.nn.functional.avg_pool2d, including its divisor for windows clipped by ceil_mode."""
     return _topi_pool(inputs[0], "avg", attrs, attrs["count_include_pad"])
+
+
+@export_rule("avg_pool2d")
+def _avg_pool2d_onnx(e, inputs, outputs, attrs):
+    """torch's divisor counts the padding but not a ceil_mode window's overhang past it: then the
+    padding is explicit zeros, and the pool counts only what is left."""
+    (x,) = inputs
+    kernel, stride, begin, end, _ = _onnx_pool_window(e, x, attrs)
+    include = attrs["count_include_pad"]
+    if include and end != begin:
+        x = e.node("Pad", [x, e.const([0, 0, *begin, 0, 0, *begin])])
+        begin, end, include = [0, 0], [b - a for a, b in zip(begin, end)], False
+    e.node(
+        "AveragePool", [x], outputs, kernel_shape=kernel, strides=stride, pads=begin + end,
+        count_include_pad=int(include),
+    )
 
 
 def _global_avg_pool2d(specs, attrs):
@@ -292,6 +393,11 @@ def _global_avg_pool2d(specs, attrs):
 def global_avg_pool2d(inputs):
     """(N, C, H, W) -> (N, C, 1, 1), as torch.nn.AdaptiveAvgPool2d(1)."""
     return topi.nn.global_pool(inputs[0], "avg")
+
+
+@export_rule("global_avg_pool2d")
+def _global_avg_pool2d_onnx(e, inputs, outputs, attrs):
+    e.node("GlobalAveragePool", inputs, outputs)
 
 
 def _mean_axes(rank: int, axes) -> tuple[int, ...]:
@@ -319,6 +425,18 @@ def mean(inputs, axes, keepdims):
     return topi.divide(total, tvm.tirx.const(prod(x.shape[a] for a in axes), x.dtype))
 
 
+@export_rule("mean")
+def _mean_onnx(e, inputs, outputs, attrs):
+    """ReduceMean takes its axes as an attribute up to opset 17 and as an input from 18."""
+    (x,) = inputs
+    axes = list(_mean_axes(len(e.shape(x)), attrs["axes"]))
+    keepdims = int(attrs["keepdims"])
+    if e.opset >= 18:
+        e.node("ReduceMean", [x, e.const(axes)], outputs, keepdims=keepdims)
+    else:
+        e.node("ReduceMean", [x], outputs, axes=axes, keepdims=keepdims)
+
+
 # -- lookup ------------------------------------------------------------------------------------
 def _embedding(specs, attrs):
     table, ids = specs
@@ -336,3 +454,12 @@ def embedding(inputs):
     Out-of-range ids are clamped into [0, V) so a bad id cannot read outside the table."""
     table, ids = inputs
     return topi.take(table, ids, axis=0, mode="clip")
+
+
+@export_rule("embedding")
+def _embedding_onnx(e, inputs, outputs, attrs):
+    """Ids are clamped into [0, V) first, as the lowering's take(mode="clip") does: ONNX Gather
+    would wrap a negative id and reject one past the end."""
+    table, ids = inputs
+    low, high = e.const(0, e.dtype(ids)), e.const(e.shape(table)[0] - 1, e.dtype(ids))
+    e.node("Gather", [table, e.node("Clip", [ids, low, high])], outputs, axis=0)

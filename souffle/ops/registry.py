@@ -1,22 +1,25 @@
-"""The op registry: op kind -> (shape/dtype rule, TE lowering).
+"""The op registry: op kind -> (shape/dtype rule, TE lowering, ONNX export rule).
 
 Adding an op touches one module: decorate its TE lowering with ``register_op``
 and give the rule that checks its inputs and returns its outputs' shapes and
-dtypes. The graph calls ``infer_outputs`` when it is built (so a bad graph is
-refused before anything is compiled) and the lowering calls ``lower_op``.
+dtypes; right after the lowering, decorate the function that writes the op as
+ONNX nodes with ``export_rule``. The graph calls ``infer_outputs`` when it is
+built (so a bad graph is refused before anything is compiled), the lowering
+calls ``lower_op`` and ``souffle.onnx_export`` calls ``get_export_rule``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
-from souffle.errors import GraphError, UnknownOpError
+from souffle.errors import ExportError, GraphError, UnknownOpError
 from souffle.tensor import TensorSpec
 
 Shape = tuple[int, ...]
 InferFn = Callable[[Sequence[TensorSpec], Mapping[str, object]], list[tuple[Shape, str]]]
 LowerFn = Callable[..., object]
+ExportFn = Callable[..., None]
 
 
 class OpRuleError(GraphError):
@@ -30,12 +33,15 @@ def fail(message: str):
 
 @dataclass(frozen=True)
 class OpRule:
+    """What the registry knows of one op kind; ``export`` is None for an op with no ONNX form."""
+
     kind: str
     infer: InferFn
     lower: LowerFn
     n_inputs: tuple[int, int]
     attrs: Mapping[str, object] = field(default_factory=dict)
     doc: str = ""
+    export: ExportFn | None = None
 
 
 REGISTRY: dict[str, OpRule] = {}
@@ -58,12 +64,44 @@ def register_op(kind: str, *, infer: InferFn, n_inputs: int | tuple[int, int], a
     return decorate
 
 
+def export_rule(kind: str):
+    """Register ``export(e, inputs, outputs, attrs)``, which appends to ``e`` (a
+    ``souffle.onnx_export.Emitter``) the ONNX nodes that compute op ``kind``: ``inputs`` and
+    ``outputs`` are ONNX value names, ``attrs`` has the op's defaults filled in.
+
+    It is written from the op's TE lowering, the ground truth of the op's semantics, and sits
+    right after it. It only calls the emitter's methods, so ``souffle.ops`` needs no onnx.
+    """
+    if kind not in REGISTRY:
+        raise ValueError(f"op {kind!r} is not registered; nothing to export")
+
+    def decorate(export: ExportFn) -> ExportFn:
+        if REGISTRY[kind].export is not None:
+            raise ValueError(f"op {kind!r} has two ONNX export rules")
+        REGISTRY[kind] = replace(REGISTRY[kind], export=export)
+        return export
+
+    return decorate
+
+
 def get_rule(kind: str) -> OpRule:
     try:
         return REGISTRY[kind]
     except KeyError:
         known = ", ".join(sorted(REGISTRY))
         raise UnknownOpError(f"unknown op {kind!r}; registered ops: {known}") from None
+
+
+def get_export_rule(kind: str, output: str) -> ExportFn:
+    """Op ``kind``'s export rule; without one, an ExportError naming the op by ``output`` (the
+    tensor it computes) and listing the kinds that can be exported."""
+    export = get_rule(kind).export
+    if export is None:
+        exportable = sorted(k for k, rule in REGISTRY.items() if rule.export is not None)
+        raise ExportError(
+            f"op {kind!r} (output {output!r}) has no ONNX export rule; rules exist for: {', '.join(exportable)}"
+        )
+    return export
 
 
 def full_attrs(rule: OpRule, attrs: Mapping[str, object], where: str) -> dict[str, object]:

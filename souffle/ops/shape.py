@@ -1,7 +1,7 @@
 """Shape ops: reshape, transpose, concat, slice, split, flatten (torch semantics).
 
-Each op's attribute normalization is one function used by both its infer rule
-and its lowering, so the two cannot disagree about the output shape.
+Each op's attribute normalization is one function used by its infer rule, its
+lowering and its ONNX export rule, so they cannot disagree about the output shape.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from tvm import topi
 
 from souffle.ops.common import int_list, is_int, normalize_axes, normalize_axis, prod, require_same_dtype, shape_of
-from souffle.ops.registry import fail, register_op
+from souffle.ops.registry import export_rule, fail, register_op
 
 
 def _reshape_target(shape: tuple[int, ...], target) -> tuple[int, ...]:
@@ -42,6 +42,12 @@ def reshape(inputs, shape):
     return topi.reshape(x, _reshape_target(shape_of(x), shape))
 
 
+@export_rule("reshape")
+def _reshape_onnx(e, inputs, outputs, attrs):
+    (x,) = inputs
+    e.node("Reshape", [x, e.const(_reshape_target(e.shape(x), attrs["shape"]))], outputs)
+
+
 def _permutation(rank: int, axes) -> tuple[int, ...]:
     """A full permutation of the axes; None reverses them (torch's .T, numpy's default)."""
     if axes is None:
@@ -63,6 +69,12 @@ def transpose(inputs, axes):
     return topi.transpose(x, list(_permutation(len(x.shape), axes)))
 
 
+@export_rule("transpose")
+def _transpose_onnx(e, inputs, outputs, attrs):
+    (x,) = inputs
+    e.node("Transpose", [x], outputs, perm=list(_permutation(len(e.shape(x)), attrs["axes"])))
+
+
 def _concat(specs, attrs):
     require_same_dtype(specs)
     first = specs[0]
@@ -81,6 +93,11 @@ def _concat(specs, attrs):
 def concat(inputs, axis):
     """torch.cat along ``axis``."""
     return topi.concatenate(inputs, normalize_axis(axis, len(inputs[0].shape)))
+
+
+@export_rule("concat")
+def _concat_onnx(e, inputs, outputs, attrs):
+    e.node("Concat", inputs, outputs, axis=normalize_axis(attrs["axis"], len(e.shape(inputs[0]))))
 
 
 def _slice_bounds(shape: tuple[int, ...], begin, end, axis, strides):
@@ -120,6 +137,14 @@ def slice_op(inputs, **attrs):
     return topi.strided_slice(x, starts, stops, list(steps), axes=list(axes))
 
 
+@export_rule("slice")
+def _slice_onnx(e, inputs, outputs, attrs):
+    """Bounds already resolved by Python's slicing rules, as the lowering resolves them."""
+    (x,) = inputs
+    axes, starts, stops, steps, _ = _slice_bounds(e.shape(x), **attrs)
+    e.node("Slice", [x, e.const(starts), e.const(stops), e.const(list(axes)), e.const(list(steps))], outputs)
+
+
 def _split_sizes(shape: tuple[int, ...], sections, sizes, axis) -> tuple[int, tuple[int, ...]]:
     """(axis, piece sizes) from an even count of ``sections`` or explicit ``sizes``."""
     axis = normalize_axis(axis, len(shape))
@@ -153,6 +178,13 @@ def split(inputs, **attrs):
     return list(topi.split(x, boundaries, axis))
 
 
+@export_rule("split")
+def _split_onnx(e, inputs, outputs, attrs):
+    (x,) = inputs
+    axis, pieces = _split_sizes(e.shape(x), **attrs)
+    e.node("Split", [x, e.const(list(pieces))], outputs, axis=axis)
+
+
 def _flat_shape(shape: tuple[int, ...], start_dim, end_dim) -> tuple[int, ...]:
     """torch.flatten's shape: dims start_dim..end_dim merged into one."""
     rank = max(len(shape), 1)
@@ -173,3 +205,10 @@ def flatten(inputs, start_dim, end_dim):
     (nn.Flatten)."""
     x = inputs[0]
     return topi.reshape(x, _flat_shape(shape_of(x), start_dim, end_dim))
+
+
+@export_rule("flatten")
+def _flatten_onnx(e, inputs, outputs, attrs):
+    """Reshape, since ONNX Flatten always makes a 2-D result."""
+    (x,) = inputs
+    e.node("Reshape", [x, e.const(_flat_shape(e.shape(x), attrs["start_dim"], attrs["end_dim"]))], outputs)
