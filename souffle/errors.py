@@ -22,7 +22,7 @@ class WeightError(SouffleError, ValueError):
 
 
 class InputError(SouffleError, ValueError):
-    """Run-time inputs of the wrong number, shape or dtype."""
+    """Run-time inputs or arguments of the wrong number, size, shape, type or dtype."""
 
 
 class ExportError(SouffleError, ValueError):

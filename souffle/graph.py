@@ -303,7 +303,7 @@ class GraphBuilder:
             raise GraphError(f"graph {self.name!r}: no tensor named {name!r}") from None
 
     def input(self, name: str, shape: Iterable[int], dtype: str = "float32") -> str:
-        spec = TensorSpec(name, tuple(shape), dtype)
+        spec = TensorSpec(name, shape, dtype)
         self._add_spec(spec)
         self._inputs.append(spec)
         return name
@@ -314,7 +314,7 @@ class GraphBuilder:
             spec = TensorSpec(name, value.shape, dtype or str(value.dtype))
             self._weights[name] = value
         else:
-            spec = TensorSpec(name, tuple(value), dtype or "float32")
+            spec = TensorSpec(name, value, dtype or "float32")
         self._add_spec(spec)
         self._params.append(spec)
         return name

@@ -24,7 +24,11 @@ class TensorSpec:
     dtype: str = "float32"
 
     def __post_init__(self):
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        try:
+            shape = tuple(int(d) for d in self.shape)
+        except (TypeError, ValueError):
+            raise GraphError(f"tensor {self.name!r}: shape {self.shape!r} is not a sequence of ints") from None
+        object.__setattr__(self, "shape", shape)
         if self.dtype not in SUPPORTED_DTYPES:
             raise GraphError(
                 f"tensor {self.name!r}: dtype {self.dtype!r} is not supported "

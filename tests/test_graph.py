@@ -68,6 +68,18 @@ def test_bad_tensor_specs():
         TensorSpec("x", (2,), "float7")
     with pytest.raises(GraphError, match="non-positive"):
         TensorSpec("x", (2, 0))
+    with pytest.raises(GraphError, match=r"tensor 'x': shape \(2, 'a'\) is not a sequence of ints"):
+        TensorSpec("x", (2, "a"))
+    with pytest.raises(GraphError, match=r"tensor 'x': shape \(2, None\) is not a sequence of ints"):
+        TensorSpec("x", (2, None))
+
+
+def test_builder_refuses_a_shape_that_is_not_a_sequence_of_ints():
+    b = GraphBuilder("g")
+    with pytest.raises(GraphError, match="tensor 'x': shape 5 is not a sequence of ints"):
+        b.input("x", 5)
+    with pytest.raises(GraphError, match="tensor 'w': shape None is not a sequence of ints"):
+        b.param("w", None)
 
 
 def test_weights_are_validated_by_name_and_shape():

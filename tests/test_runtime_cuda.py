@@ -1,9 +1,11 @@
-"""The CUDA runtime: nvcc compilation and its cache, the ptxas report, the driver and launches.
+"""The CUDA runtime: nvcc compilation and its cache, the ptxas report, the driver and launches, and
+the refusal of bad arguments (sizes, kernel arguments, an artifact's inputs) before any driver call.
 
 The default suite needs nvcc but no GPU; the ``gpu`` tests run a grid-synced kernel for real
 (``pytest -m gpu`` on a machine with an NVIDIA GPU and cuda-bindings).
 """
 
+import gc
 import shutil
 import subprocess
 import sys
@@ -13,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from souffle.errors import SouffleError, TargetError
+from souffle import recipe
+from souffle.errors import InputError, SouffleError, TargetError
 from souffle.runtime import cuda
+from souffle.runtime.artifact import KernelArtifact, TensorSlot
 from souffle.runtime.cuda import KernelResources, compile_cubin, parse_resource_usage
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -202,6 +206,138 @@ def test_no_gpu_gives_target_error():
 
 
 # ---------------------------------------------------------------------------------------------
+# bad arguments, refused before any driver call (a stand-in driver, no GPU needed)
+
+
+class FakeDriver:
+    """Stands in for cuda-bindings' driver module: every call succeeds (an allocation, a module
+    or a function is 0x1000) and is recorded, so a test sees which calls a refusal let through."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    HANDLES = ("cuMemAlloc", "cuModuleLoadData", "cuModuleGetFunction")
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            return (0, 0x1000) if name in self.HANDLES else (0,)
+
+        return call
+
+
+class FakeDevice:
+    """What DeviceBuffer and Kernel use of a Device, on a FakeDriver."""
+
+    name, arch, sms, cooperative_launch, context = "fake GPU", "sm_90", 1, True, None
+
+    def __init__(self, driver: FakeDriver):
+        self.driver = driver
+
+    def _current(self):
+        self.driver.cuCtxSetCurrent(self.context)
+        return self.driver
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    driver = FakeDriver()
+    monkeypatch.setattr(cuda, "_bindings", lambda: driver)
+    yield FakeDevice(driver)
+    gc.collect()  # free the buffers and modules through the stand-in, not the real driver
+
+
+@pytest.mark.parametrize("nbytes", [0, -8, 2.5, True])
+def test_device_buffer_size_is_refused_before_the_driver(fake_device, nbytes):
+    with pytest.raises(InputError, match=f"a device buffer needs a positive whole number of bytes, got {nbytes!r}"):
+        cuda.DeviceBuffer(fake_device, nbytes)
+    assert fake_device.driver.calls == []
+
+
+def test_upload_and_download_that_do_not_fit_are_refused(fake_device):
+    buffer = cuda.DeviceBuffer(fake_device, 16)
+    calls = list(fake_device.driver.calls)
+    with pytest.raises(InputError, match="cannot upload 20 bytes into a 16-byte device buffer"):
+        buffer.upload(np.zeros(5, np.float32))
+    with pytest.raises(InputError, match="cannot download 20 bytes from a 16-byte device buffer"):
+        buffer.download(np.float32, (5,))
+    assert fake_device.driver.calls == calls
+    buffer.upload(np.zeros(4, np.float32))
+    assert fake_device.driver.calls[-1] == "cuMemcpyHtoD"
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [(2**31, "kernel argument 1 = 2147483648 does not fit the int32 it is passed as"),
+     (-(2**31) - 1, "kernel argument 1 = -2147483649 does not fit the int32"),
+     (np.uint32(2**31), "kernel argument 1 = 2147483648 does not fit the int32"),
+     ("0.5", "kernel argument 1 is a str: expected a DeviceBuffer, int or float"),
+     (None, "kernel argument 1 is a NoneType")],
+)
+def test_kernel_arguments_are_refused_before_the_driver(fake_device, bad, message):
+    kernel = cuda.Kernel(fake_device, b"cubin", "scale")
+    buffer = cuda.DeviceBuffer(fake_device, 16)
+    calls = list(fake_device.driver.calls)
+    with pytest.raises(InputError, match=message) as err:
+        kernel.launch(1, 32, [buffer, bad], cooperative=False)
+    assert isinstance(err.value, SouffleError) and isinstance(err.value, ValueError)
+    assert fake_device.driver.calls == calls
+    kernel.launch(1, 32, [buffer, 7, np.int64(2**40), 0.5], cooperative=False)
+    assert fake_device.driver.calls[-1] == "cuLaunchKernel"
+
+
+def test_a_freed_buffer_is_refused_as_a_kernel_argument(fake_device):
+    kernel = cuda.Kernel(fake_device, b"cubin", "scale")
+    buffer = cuda.DeviceBuffer(fake_device, 16)
+    buffer.free()
+    calls = list(fake_device.driver.calls)
+    with pytest.raises(TargetError, match="device buffer at 0x1000 was already freed"):
+        kernel.launch(1, 32, [buffer], cooperative=False)
+    assert fake_device.driver.calls == calls
+
+
+def _artifact(**fields) -> KernelArtifact:
+    """A one-input artifact; the launcher checks its inputs before anything reaches the GPU."""
+    defaults = dict(
+        model="toy", config=None, seed=0, threads=32, kernels={"main_kernel": ["x", "y", "grid_size"]}, launches=[],
+        inputs=[TensorSlot("x", "x", (2, 3), "float32")], outputs=[TensorSlot("y", "y", (2,), "float32")],
+        weights=[], arenas={}, source="// kernel", cubins={"sm_90": b"cubin"},
+    )
+    return KernelArtifact(**{**defaults, **fields})
+
+
+def test_artifact_inputs_of_the_wrong_count_size_or_dtype_are_refused():
+    artifact = _artifact()
+    with pytest.raises(InputError, match=r"toy takes 1 inputs \(x\), got 0"):
+        artifact.checked_inputs([])
+    with pytest.raises(InputError, match=r"input 'x' needs 6 float32 values \(shape \(2, 3\)\), got 4 float32 values"):
+        artifact.checked_inputs([np.zeros((2, 2), np.float32)])
+    with pytest.raises(InputError, match="got 6 float64 values"):
+        artifact.checked_inputs([np.zeros((2, 3))])
+    (flat,) = artifact.checked_inputs([np.arange(6, dtype=np.float32).reshape(3, 2).T])
+    np.testing.assert_array_equal(flat, [0, 2, 4, 1, 3, 5])
+    assert flat.flags.c_contiguous
+
+
+@pytest.mark.parametrize("missing", ["kernel.cu", "kernel.sm_90.cubin"])
+def test_incomplete_artifact_is_refused(tmp_path, missing):
+    directory = _artifact().save(tmp_path / "toy")
+    (directory / missing).unlink()
+    with pytest.raises(SouffleError, match=f"is an incomplete kernel artifact: .*{missing} is missing"):
+        KernelArtifact.load(directory)
+
+
+def test_weight_recipe_indexing_past_a_given_weight_is_refused():
+    artifact = _artifact(weights=[{"buffer": "w", "recipe": recipe.take(recipe.model("w0"), [5]), "shape": [1],
+                                   "dtype": "float32"}])
+    with pytest.raises(SouffleError, match="weight 'w': cannot be rebuilt from the given weights: index 5"):
+        artifact.weight_arrays({"w0": np.zeros(3, np.float32)})
+
+
+# ---------------------------------------------------------------------------------------------
 # on a GPU
 
 
@@ -230,7 +366,7 @@ def test_buffer_round_trip(device):
     buffer = device.upload(x)
     assert buffer.nbytes == x.nbytes
     np.testing.assert_array_equal(buffer.download(np.float32, (3, 4)), x)
-    with pytest.raises(ValueError, match="cannot download"):
+    with pytest.raises(InputError, match="cannot download"):
         buffer.download(np.float32, (4, 4))
     buffer.free()
     with pytest.raises(TargetError, match="already freed"):
@@ -277,7 +413,7 @@ def test_plain_launch_with_float_argument(device, tmp_path, rng):
     kernel.launch((n + 127) // 128, 128, [inp, out, 0.5, n], cooperative=False)
     device.synchronize()
     np.testing.assert_array_equal(out.download(np.float32, n), x * np.float32(0.5))
-    with pytest.raises(TypeError, match="kernel argument 2 is a str"):
+    with pytest.raises(InputError, match="kernel argument 2 is a str"):
         kernel.launch(1, 128, [inp, out, "0.5", n], cooperative=False)
 
 

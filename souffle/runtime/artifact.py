@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from souffle.errors import SouffleError, TargetError
+from souffle.errors import InputError, SouffleError, TargetError
 
 MANIFEST = "manifest.json"
 
@@ -70,11 +70,15 @@ class KernelArtifact:
         if not (directory / MANIFEST).exists():
             raise SouffleError(f"{directory} is not a kernel artifact: no {MANIFEST}")
         manifest = json.loads((directory / MANIFEST).read_text())
-        cubins = {arch: (directory / f"kernel.{arch}.cubin").read_bytes() for arch in manifest.pop("cubins")}
+        try:
+            cubins = {arch: (directory / f"kernel.{arch}.cubin").read_bytes() for arch in manifest.pop("cubins")}
+            source = (directory / "kernel.cu").read_text()
+        except FileNotFoundError as err:
+            raise SouffleError(f"{directory} is an incomplete kernel artifact: {err.filename} is missing") from None
         manifest["inputs"] = [TensorSlot(**{**t, "shape": tuple(t["shape"])}) for t in manifest["inputs"]]
         manifest["outputs"] = [TensorSlot(**{**t, "shape": tuple(t["shape"])}) for t in manifest["outputs"]]
         manifest["arenas"] = {k: tuple(v) for k, v in manifest["arenas"].items()}
-        return cls(**manifest, source=(directory / "kernel.cu").read_text(), cubins=cubins)
+        return cls(**manifest, source=source, cubins=cubins)
 
     def weight_arrays(self, model_weights: dict | None = None) -> dict[str, np.ndarray]:
         """Each weight parameter's array, from ``model_weights`` or the model's seeded initialisation."""
@@ -90,12 +94,27 @@ class KernelArtifact:
         for w in self.weights:
             try:
                 value = evaluate(w["recipe"], model_weights)
-            except ValueError as err:  # numpy refusing to stack or concatenate mismatched shapes
+            except (ValueError, IndexError) as err:  # numpy refusing to stack, concatenate or index mismatched shapes
                 raise SouffleError(f"weight {w['buffer']!r}: cannot be rebuilt from the given weights: {err}") from None
             if tuple(value.shape) != tuple(w["shape"]) or str(value.dtype) != w["dtype"]:
                 raise SouffleError(f"weight {w['buffer']!r}: expected {tuple(w['shape'])} {w['dtype']}, "
                                    f"got {value.shape} {value.dtype}")
             arrays[w["buffer"]] = np.ascontiguousarray(value).reshape(-1)
+        return arrays
+
+    def checked_inputs(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        """``inputs``, one array per input slot in order, as flat C-contiguous arrays. A wrong count,
+        size or dtype is refused here: on the GPU a short input would be read past its end."""
+        if len(inputs) != len(self.inputs):
+            names = ", ".join(slot.name for slot in self.inputs)
+            raise InputError(f"{self.model} takes {len(self.inputs)} inputs ({names}), got {len(inputs)}")
+        arrays = []
+        for slot, array in zip(self.inputs, inputs):
+            array = np.asarray(array)
+            if array.size != slot.size or array.dtype != np.dtype(slot.dtype):
+                raise InputError(f"{self.model}: input {slot.name!r} needs {slot.size} {slot.dtype} values "
+                                 f"(shape {slot.shape}), got {array.size} {array.dtype} values")
+            arrays.append(np.ascontiguousarray(array).reshape(-1))
         return arrays
 
 
@@ -143,10 +162,10 @@ class Launcher:
         return self.per_sm[max(self.grids, key=self.grids.get)]
 
     def arguments(self, inputs: list[np.ndarray]):
-        """The buffers by parameter name for these inputs (flat arrays in the artifact's input
-        order), and the outputs."""
+        """The buffers by parameter name for these inputs (one array per input, in the artifact's
+        order: ``KernelArtifact.checked_inputs``), and the outputs."""
         by_name = dict(self.resident)
-        for slot, array in zip(self.artifact.inputs, inputs):
+        for slot, array in zip(self.artifact.inputs, self.artifact.checked_inputs(inputs)):
             by_name[slot.buffer] = self.device.upload(array)
         outputs = []
         for slot in self.artifact.outputs:

@@ -4,9 +4,11 @@ This module needs only numpy, nvcc for compiling and ``cuda-bindings`` for runni
 works on a GPU machine where TVM is not installed. Importing it needs neither a GPU nor a
 driver: the driver is loaded on the first call of :func:`driver`.
 
-Every failure is a :class:`~souffle.errors.TargetError` naming the problem: a missing nvcc,
-a compile error (with nvcc's first lines), a missing driver or GPU, a failed driver call
-(with the call and the CUDA error name), a grid too large for a cooperative launch.
+Every failure of the toolchain or the GPU is a :class:`~souffle.errors.TargetError` naming the
+problem: a missing nvcc, a compile error (with nvcc's first lines), a missing driver or GPU, a
+failed driver call (with the call and the CUDA error name), a grid too large for a cooperative
+launch. A bad argument (a buffer size, an upload or download that does not fit, a kernel argument
+of the wrong type or range) is an :class:`~souffle.errors.InputError`, raised before any driver call.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from souffle.errors import TargetError
+from souffle.errors import InputError, TargetError
 
 # ---------------------------------------------------------------------------------------------
 # nvcc
@@ -298,8 +300,8 @@ class DeviceBuffer:
     """
 
     def __init__(self, device: Device, nbytes: int):
-        if nbytes <= 0:
-            raise ValueError(f"a device buffer needs a positive size, got {nbytes} bytes")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+            raise InputError(f"a device buffer needs a positive whole number of bytes, got {nbytes!r}")
         cu = device._current()
         self.device = device
         self.nbytes = nbytes
@@ -309,16 +311,21 @@ class DeviceBuffer:
     def __repr__(self):
         return f"DeviceBuffer({self.nbytes} bytes at {self.ptr:#x})"
 
-    def _live(self):
+    def _require_alive(self) -> None:
+        """Refuse a freed buffer, without a driver call (a launch checks its arguments first)."""
         if not self._finalizer.alive:
             raise TargetError(f"device buffer at {self.ptr:#x} was already freed")
+
+    def _live(self):
+        """The driver, with this buffer's context current."""
+        self._require_alive()
         return self.device._current()
 
     def upload(self, array: np.ndarray) -> None:
         """Copy ``array`` (made C-contiguous) to the start of this buffer."""
         array = np.ascontiguousarray(array)
         if array.nbytes > self.nbytes:
-            raise ValueError(f"cannot upload {array.nbytes} bytes into a {self.nbytes}-byte device buffer")
+            raise InputError(f"cannot upload {array.nbytes} bytes into a {self.nbytes}-byte device buffer")
         cu = self._live()
         _check(cu.cuMemcpyHtoD(self.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
 
@@ -326,7 +333,7 @@ class DeviceBuffer:
         """A new array of ``dtype`` and ``shape`` read from the start of this buffer."""
         out = np.empty(shape, dtype)
         if out.nbytes > self.nbytes:
-            raise ValueError(f"cannot download {out.nbytes} bytes from a {self.nbytes}-byte device buffer")
+            raise InputError(f"cannot download {out.nbytes} bytes from a {self.nbytes}-byte device buffer")
         cu = self._live()
         _check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
         return out
@@ -378,8 +385,8 @@ class Kernel:
         floats (float32), in the kernel's parameter order. A cooperative launch (needed for grid-wide sync) is
         refused up front when the grid cannot be co-resident, with the numbers that say why.
         """
-        cu = self.device._current()
         params = _kernel_params(args)
+        cu = self.device._current()
         bx, by, bz = (tuple(threads) + (1, 1))[:3] if isinstance(threads, tuple) else (threads, 1, 1)
         threads = bx * by * bz
         if cooperative:
@@ -409,12 +416,13 @@ def _kernel_params(args: list) -> tuple[tuple, tuple]:
     """cuda-bindings' kernel-parameter form: (values, ctypes types), one pair per parameter.
 
     Pointers go as c_void_p: a plain int with type None is refused by cuda-bindings, which
-    takes None only for its own objects (CUdeviceptr and the like).
+    takes None only for its own objects (CUdeviceptr and the like). Makes no driver call, so a
+    bad argument is refused before the launch touches the GPU.
     """
     values, types = [], []
     for i, arg in enumerate(args):
         if isinstance(arg, DeviceBuffer):
-            arg._live()
+            arg._require_alive()
             values.append(arg.ptr)
             types.append(ctypes.c_void_p)
         elif isinstance(arg, np.int64):
@@ -422,14 +430,14 @@ def _kernel_params(args: list) -> tuple[tuple, tuple]:
             types.append(ctypes.c_int64)
         elif isinstance(arg, (int, np.integer)):
             if not -(2**31) <= int(arg) < 2**31:
-                raise ValueError(f"kernel argument {i} = {arg} does not fit the int32 it is passed as")
+                raise InputError(f"kernel argument {i} = {arg} does not fit the int32 it is passed as")
             values.append(int(arg))
             types.append(ctypes.c_int32)
         elif isinstance(arg, (float, np.floating)):
             values.append(float(arg))
             types.append(ctypes.c_float)
         else:
-            raise TypeError(f"kernel argument {i} is a {type(arg).__name__}: expected a DeviceBuffer, int or float")
+            raise InputError(f"kernel argument {i} is a {type(arg).__name__}: expected a DeviceBuffer, int or float")
     return tuple(values), tuple(types)
 
 
