@@ -33,6 +33,7 @@ import tvm
 from tvm import te, tirx
 
 from souffle.graph import Op
+from souffle.naming import UniqueNames
 
 ONE_TO_ONE = "one-to-one"
 ONE_TO_MANY = "one-to-many"
@@ -521,7 +522,7 @@ def _collect(program, loops: tuple, prefix: str, out: list[StageDependence], sca
     computed = {n: t for r in program.regions if not isinstance(r, LoopRegion) for n, t in r.tensors.items()
                 if isinstance(t.op, te.ComputeOp)}
     carried_from = {c[0]: computed.get(c[1]) for c in (scan.carry if scan is not None else ())}
-    names: dict = {}  # TE -> its name in this (loop body) program, unique
+    names = _TENames()
     for region in program.regions:
         if isinstance(region, LoopRegion):
             _collect(region.body, loops + ((region.name, region.scan.length),), f"{prefix}{region.name}/", out,
@@ -554,17 +555,23 @@ def _placeholder_roles(graph, scan) -> dict[str, str]:
     return roles
 
 
-def _name(tensor: te.Tensor, region, names: dict) -> str:
+class _TENames:
+    """Each TE's name in one (loop body) program: its graph tensor's, or a unique one."""
+
+    def __init__(self):
+        self.of: dict = {}  # TE op -> name
+        self.unique = UniqueNames()
+
+
+def _name(tensor: te.Tensor, region, names: _TENames) -> str:
     """The tensor's name in its program: the graph tensor's, or "op.te" for a TE inside an op's
     lowering, numbered ("op.te:2") when the op made several of that name. ``names`` remembers."""
-    if tensor.op not in names:
+    if tensor.op not in names.of:
         graph_name = next((n for n, t in region.tensors.items() if t.op.same_as(tensor.op)), None)
-        op = region.op_of.get(tensor.op)
-        base = graph_name or (f"{op.outputs[0]}.{tensor.op.name}" if op is not None else tensor.op.name)
-        taken = set(names.values())
-        name, k = base, 1
-        while graph_name is None and name in taken:
-            k += 1
-            name = f"{base}:{k}"
-        names[tensor.op] = name
-    return names[tensor.op]
+        if graph_name is not None:
+            names.unique.reserve(graph_name)
+            names.of[tensor.op] = graph_name
+        else:
+            op = region.op_of.get(tensor.op)
+            names.of[tensor.op] = names.unique(f"{op.outputs[0]}.{tensor.op.name}" if op is not None else tensor.op.name)
+    return names.of[tensor.op]

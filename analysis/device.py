@@ -17,10 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from souffle.errors import UnknownDeviceError
+from souffle.errors import TargetError, UnknownDeviceError
 
 KiB = 1024
 MiB = 1024 * KiB
+REGISTER_ALLOCATION_UNIT = 256  # registers are allocated per warp in units of 256 (sm_70 and later)
+SHARED_RESERVED_PER_BLOCK = 1024  # bytes the CUDA runtime reserves per resident block (sm_80 and later)
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class DeviceModel:
     max_blocks_per_sm: int
     warp_size: int
     l2_bytes: int
-    launch_seconds: float  # what starting one more kernel costs; ``analysis.partition`` weighs splits by it
+    launch_seconds: float  # what starting one more kernel costs; ``codegen.partition`` weighs splits by it
+    vector_lanes: int = 1  # fp32 lanes of the vectors the CPU schedules fill (1: a GPU's scalar threads)
 
     def peak(self, dtype) -> float:
         """Peak FLOP/s for arithmetic in ``dtype``; a dtype the table lacks is refused, never guessed."""
@@ -149,6 +152,9 @@ def local_cpu() -> DeviceModel:
     info = _cpuinfo()
     flags = set(info.get("flags", info.get("Features", "")).split())
     lanes = 16 if "avx512f" in flags else 8 if flags & {"avx2", "fma"} else 4
+    # The CPU schedules fill 256-bit vectors wherever AVX2 or AVX-512 is present: LLVM itself
+    # prefers 256-bit vectors on most AVX-512 cores, and the schedules were tuned that way.
+    vector_lanes = min(lanes, 8)
     clock = float(info["cpu MHz"]) * 1e6 if "cpu MHz" in info else DEFAULT_CPU_CLOCK_HZ
     cores = os.cpu_count() or 1
     peak = cores * lanes * 2 * 2 * clock
@@ -173,6 +179,7 @@ def local_cpu() -> DeviceModel:
         warp_size=lanes,
         l2_bytes=caches[max(caches)] if caches else 0,
         launch_seconds=0.0,
+        vector_lanes=vector_lanes,
     )
 
 
@@ -223,3 +230,53 @@ def _cache_sizes() -> dict[int, int]:
         units = {"K": KiB, "M": MiB}
         sizes[level] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
     return sizes
+
+
+# -- occupancy: how many blocks of a kernel one SM holds ------------------------------------------
+@dataclass(frozen=True)
+class Occupancy:
+    """How many blocks of the kernel fit on one SM of a device, and what limits it."""
+
+    device: str
+    blocks_per_sm: int
+    grid: int  # SMs x blocks per SM: every block co-resident
+    limits: dict  # resource -> blocks per SM it allows
+
+    @property
+    def limiter(self) -> str:
+        return min(self.limits, key=self.limits.get)
+
+    def __str__(self):
+        detail = ", ".join(f"{k} {v}" for k, v in self.limits.items())
+        return f"{self.device}: {self.blocks_per_sm} blocks/SM ({detail}), grid {self.grid}"
+
+
+def co_resident_grid(registers: int, shared_bytes: int, device: DeviceModel, threads: int) -> Occupancy:
+    """The largest cooperative grid for a kernel using ``registers`` per thread and
+    ``shared_bytes`` per block, by the CUDA occupancy rules; refuses one that cannot launch."""
+    problems = []
+    if threads > device.max_threads_per_block:
+        problems.append(f"{threads} threads per block > {device.max_threads_per_block}")
+    if registers > device.max_regs_per_thread:
+        problems.append(f"{registers} registers per thread > {device.max_regs_per_thread}")
+    warps = -(-threads // device.warp_size)
+    regs_per_warp = -(-registers * device.warp_size // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
+    if regs_per_warp * warps > device.regs_per_block:
+        problems.append(f"{registers} registers x {threads} threads = {regs_per_warp * warps} registers per block "
+                        f"> {device.regs_per_block}")
+    if shared_bytes > device.smem_per_block:
+        problems.append(f"{shared_bytes} bytes of shared memory per block > {device.smem_per_block}")
+    if problems:
+        raise TargetError(f"the kernel cannot be co-resident on {device.name}: " + "; ".join(problems))
+    limits = {
+        "threads": device.max_threads_per_sm // threads,
+        "blocks": device.max_blocks_per_sm,
+        "registers": device.regs_per_sm // max(regs_per_warp * warps, 1),
+    }
+    if shared_bytes:
+        limits["shared memory"] = device.smem_per_sm // (shared_bytes + SHARED_RESERVED_PER_BLOCK)
+    blocks = min(limits.values())
+    if blocks < 1:
+        raise TargetError(f"the kernel cannot be co-resident on {device.name}: {limits}")
+    return Occupancy(device.name, blocks, blocks * device.sms, limits)
+

@@ -100,10 +100,9 @@ def default_systems(target: str, config: str) -> list[str]:
 def _souffle_o4_bytes(graph) -> int:
     """Global-memory bytes of souffle's O4 persistent GPU program (the static traffic model)."""
     from codegen.traffic import memory_traffic
-    from codegen.transform import optimize
-    from souffle.compiler import staged_program
+    from souffle.compiler import run_passes
 
-    traffic = memory_traffic(staged_program(optimize(graph, 4).program, gpu=True, threads=256, level=4))
+    traffic = memory_traffic(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir)
     return traffic.read_bytes + traffic.write_bytes
 
 

@@ -4,7 +4,7 @@ level or the partition starts new kernels, one kernel per subprogram).
 ``persistent_kernel`` wraps every stage in a single ``blockIdx.x`` binding over a grid whose
 size is a kernel argument: each stage walks its tiles ``block, block + grid, ...``, a
 ``T.cuda.grid_sync()`` (cooperative groups' ``this_grid().sync()``) stands where
-``codegen.staging`` placed a barrier, and a scan is a plain loop around its stages, run by
+``codegen.barriers`` placed a barrier, and a scan is a plain loop around its stages, run by
 every block. TVM lowers the one PrimFunc to one ``__global__`` function; its registers and
 shared memory, read back from ptxas, give the co-resident grid on a device model
 (``co_resident_grid``), and a kernel that cannot be co-resident is refused with the numbers.
@@ -22,25 +22,15 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import tirx
 
-from analysis.device import DeviceModel
-from codegen.schedule import THREADS, WARP
-from codegen.staging import (
-    Loop,
-    StagedProgram,
-    loops_in,
-    on_chip_loads,
-    parameters_used,
-    seq,
-    slot_views,
-    stages_in,
-    tiled_stage,
-)
+from analysis.device import DeviceModel, Occupancy, co_resident_grid
+from codegen.schedule import WARP
+from codegen.staged import Loop, StagedProgram, loops_in, stages_in
+from codegen.tiled import on_chip_loads, parameters_used, seq, slot_views, tiled_stage
 from souffle.errors import TargetError
+from souffle.runtime.cuda import KernelResources, compile_cubin
 
 KERNEL_NAME = "main_kernel"
 GRID_PARAM = "grid_size"
-REGISTER_ALLOCATION_UNIT = 256  # registers are allocated per warp in units of 256 (sm_70 and later)
-SHARED_RESERVED_PER_BLOCK = 1024  # bytes the CUDA runtime reserves per resident block (sm_80 and later)
 
 
 def _grid_sync() -> tirx.Stmt:
@@ -127,8 +117,12 @@ class HostLoop:
 class KernelPlan:
     """The kernels of a staged program, and the order the host launches them in."""
 
+    staged: StagedProgram
     funcs: dict[str, tirx.PrimFunc] = field(default_factory=dict)
     launches: list = field(default_factory=list)
+
+    def __str__(self):
+        return tvm.IRModule(self.funcs).script()
 
     @property
     def kernel_names(self) -> list[str]:
@@ -146,7 +140,7 @@ class KernelPlan:
 def kernel_plan(staged: StagedProgram) -> KernelPlan:
     """One kernel per run of items between kernel starts; a loop with a kernel start inside
     becomes a host loop. A program without kernel starts is one kernel, ``main``."""
-    plan = KernelPlan()
+    plan = KernelPlan(staged)
     many = staged.kernel_count() > 1
 
     def kernels(items: list, counters: tuple) -> list:
@@ -178,8 +172,6 @@ def kernel_plan(staged: StagedProgram) -> KernelPlan:
 
     plan.launches = kernels(staged.items, ())
     return plan
-
-
 
 
 def cuda_target(arch: str) -> tvm.target.Target:
@@ -229,50 +221,71 @@ def argument_order(source: str, staged: StagedProgram, kernel: str = KERNEL_NAME
     return order
 
 
+# -- the built kernels -------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Occupancy:
-    """How many blocks of the kernel fit on one SM of a device, and what limits it."""
+class CudaSource:
+    """The kernel plan's CUDA source, as TVM emits it."""
 
-    device: str
-    blocks_per_sm: int
-    grid: int  # SMs x blocks per SM: every block co-resident
-    limits: dict  # resource -> blocks per SM it allows
-
-    @property
-    def limiter(self) -> str:
-        return min(self.limits, key=self.limits.get)
+    plan: KernelPlan
+    text: str
 
     def __str__(self):
-        detail = ", ".join(f"{k} {v}" for k, v in self.limits.items())
-        return f"{self.device}: {self.blocks_per_sm} blocks/SM ({detail}), grid {self.grid}"
+        return self.text
 
 
-def co_resident_grid(registers: int, shared_bytes: int, device: DeviceModel, threads: int = THREADS) -> Occupancy:
-    """The largest cooperative grid for a kernel using ``registers`` per thread and
-    ``shared_bytes`` per block, by the CUDA occupancy rules; refuses one that cannot launch."""
-    problems = []
-    if threads > device.max_threads_per_block:
-        problems.append(f"{threads} threads per block > {device.max_threads_per_block}")
-    if registers > device.max_regs_per_thread:
-        problems.append(f"{registers} registers per thread > {device.max_regs_per_thread}")
-    warps = -(-threads // device.warp_size)
-    regs_per_warp = -(-registers * device.warp_size // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
-    if regs_per_warp * warps > device.regs_per_block:
-        problems.append(f"{registers} registers x {threads} threads = {regs_per_warp * warps} registers per block "
-                        f"> {device.regs_per_block}")
-    if shared_bytes > device.smem_per_block:
-        problems.append(f"{shared_bytes} bytes of shared memory per block > {device.smem_per_block}")
-    if problems:
-        raise TargetError(f"the kernel cannot be co-resident on {device.name}: " + "; ".join(problems))
-    limits = {
-        "threads": device.max_threads_per_sm // threads,
-        "blocks": device.max_blocks_per_sm,
-        "registers": device.regs_per_sm // max(regs_per_warp * warps, 1),
-    }
-    if shared_bytes:
-        limits["shared memory"] = device.smem_per_sm // (shared_bytes + SHARED_RESERVED_PER_BLOCK)
-    blocks = min(limits.values())
-    if blocks < 1:
-        raise TargetError(f"the kernel cannot be co-resident on {device.name}: {limits}")
-    return Occupancy(device.name, blocks, blocks * device.sms, limits)
+@dataclass(frozen=True)
+class CudaBinary:
+    """The source compiled by nvcc, with what ptxas reports for each kernel."""
 
+    source: CudaSource
+    cubin: bytes
+    resources: dict[str, KernelResources]
+
+    def __str__(self):
+        return "\n".join(f"{name}: {r.registers} registers/thread, {r.shared_bytes} B static shared memory, "
+                         f"{r.stack_bytes} B stack, {r.spill_bytes} B spilled ({r.arch})"
+                         for name, r in self.resources.items())
+
+
+@dataclass(frozen=True)
+class CudaKernels:
+    """The kernels, each checked to be co-resident on the device model with its launch, and
+    their parameters in the order TVM chose."""
+
+    binary: CudaBinary
+    occupancy: dict[str, Occupancy]
+    argument_orders: dict[str, list[str]]
+
+    @property
+    def plan(self) -> KernelPlan:
+        return self.binary.source.plan
+
+    def __str__(self):
+        return "\n".join(f"{name}: {occupancy}; parameters {', '.join(self.argument_orders[name])}"
+                         for name, occupancy in self.occupancy.items())
+
+
+def cuda_compile(source: CudaSource, arch: str) -> CudaBinary:
+    """nvcc's cubin of ``source`` for ``arch``, and each kernel's registers and shared memory."""
+    cubin, resources = compile_cubin(source.text, arch, tuple(source.plan.kernel_names))
+    return CudaBinary(source, cubin, resources)
+
+
+def check_co_residency(binary: CudaBinary, device: DeviceModel) -> CudaKernels:
+    """Each kernel's co-resident grid on ``device`` from its ptxas figures and its launch; a kernel
+    that cannot be co-resident, or not with the grid its on-chip weights assume, is refused."""
+    plan = binary.source.plan
+    launches = {f"{launch.kernel}_kernel": launch for launch in plan.kernel_launches()}
+    occupancy = {}
+    for name, used in binary.resources.items():
+        launch = launches[name]
+        try:
+            occupancy[name] = co_resident_grid(used.registers, used.shared_bytes + launch.dynamic_shared, device,
+                                               plan.staged.threads)
+        except TargetError as err:
+            raise TargetError(f"kernel {name}: {err}") from None
+        if occupancy[name].grid < launch.min_grid:
+            raise TargetError(f"kernel {name}: its on-chip weights assume at least {launch.min_grid} blocks, but only "
+                              f"{occupancy[name].grid} can be co-resident on {device.name}")
+    orders = {name: argument_order(binary.source.text, plan.staged, name) for name in plan.kernel_names}
+    return CudaKernels(binary, occupancy, orders)

@@ -33,6 +33,7 @@ import numpy as np
 
 from souffle import recipe
 from souffle.graph import Graph, Op, Scan, TensorSpec
+from souffle.naming import UniqueNames
 
 
 def horizontal(graph: Graph) -> tuple[Graph, list[str]]:
@@ -58,7 +59,7 @@ class _Level:
     ops: list[Op | Scan] = field(init=False)
     params: dict[str, TensorSpec] = field(init=False)
     specs: dict[str, TensorSpec] = field(init=False)  # every tensor, new ones included
-    names: set[str] = field(init=False)  # every tensor name taken, so new ones are unique
+    fresh: UniqueNames = field(init=False)  # every tensor name taken, so new ones are unique
     retired: set[str] = field(default_factory=set)  # replaced parameters, dropped if unused
     derived: dict[tuple, str] = field(default_factory=dict)  # (how, members) -> new param
     children: dict[int, _Level] = field(init=False)  # id(scan) -> its body
@@ -67,19 +68,11 @@ class _Level:
         self.ops = list(self.graph.ops)
         self.params = dict(self.graph.params)
         self.specs = dict(self.graph.tensors)
-        self.names = set(self.graph.tensors)
+        self.fresh = UniqueNames(self.graph.tensors, separator=".")
         self.children = {
             id(op): _Level(op.body, self, f"{self.label}/{op.name}", dict(op.params))
             for op in self.graph.ops if isinstance(op, Scan)
         }
-
-    def fresh(self, base: str) -> str:
-        name, k = base, 1
-        while name in self.names:
-            k += 1
-            name = f"{base}.{k}"
-        self.names.add(name)
-        return name
 
     def define(self, base: str, shape: tuple[int, ...], dtype: str) -> str:
         """A new tensor named after ``base`` (made unique), with its spec recorded."""

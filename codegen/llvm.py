@@ -1,24 +1,19 @@
-"""The CPU backend: graph rewrites for the CPU, and the stitched whole-model PrimFunc
-compiled through LLVM; and the persistent kernel's staged program run on the CPU."""
+"""The CPU backend: the stitched whole-model PrimFunc, or the persistent kernel's staged program
+as one CPU function, compiled through LLVM (the CPU's graph rewrites: ``codegen.cpu_transforms``)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import tvm
+from tvm import tirx
 
 from codegen.cpu_math import register_llvm_math
-from codegen.cpu_transforms import hoist_scan_projections, pack_weights
-from codegen.staging import (
-    Loop,
-    StagedProgram,
-    on_chip_loads,
-    seq,
-    slot_views,
-    synchronized,
-    tiled_stage,
-)
-from souffle.graph import Graph
+from codegen.staged import Loop, StagedProgram, synchronized
+from codegen.tiled import on_chip_loads, seq, slot_views, tiled_stage
+
+PERSISTENT_CPU_GRID = 1056  # blocks the CPU run of the staged program uses at most (H200: 132 SMs x 8)
 
 
 def host_target() -> tvm.target.Target:
@@ -36,12 +31,6 @@ def use_every_core():
     os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 
-def prepare_graph(graph: Graph) -> Graph:
-    """The CPU's graph rewrites: scan-invariant input projections hoisted out of their loops
-    (one GEMM instead of one GEMV per step), then constant weights packed for vector loads."""
-    return pack_weights(hoist_scan_projections(graph))
-
-
 def build(func: tvm.tirx.PrimFunc, target: tvm.target.Target | str | None = None):
     """Compile a whole-model PrimFunc (for the host CPU unless ``target`` says otherwise)."""
     use_every_core()
@@ -49,7 +38,7 @@ def build(func: tvm.tirx.PrimFunc, target: tvm.target.Target | str | None = None
     return tvm.compile(tvm.IRModule({"main": func}), target=target or host_target())
 
 
-def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
+def staged_function(staged: StagedProgram, grid: int) -> tirx.PrimFunc:
     """The persistent kernel's staged program as one CPU function.
 
     The same stages, tiles, arena layout and barrier positions as ``codegen.cuda``: between two
@@ -61,8 +50,6 @@ def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
     iteration boundary goes unnoticed here; ``place_barriers`` analyses the next iteration
     for exactly that, and the GPU tests run it for real.
     """
-    from tvm import tirx
-
     # Every block's on-chip weight copies (the GPU's shared memory), block after block.
     memory = staged.on_chip_memory(blocks=grid, scope="global")
     per_block = {dtype: int(buffer.shape[0]) // grid for dtype, buffer in memory.items()}
@@ -101,3 +88,34 @@ def staged_function(staged: StagedProgram, grid: int) -> tvm.tirx.PrimFunc:
 
     body = seq([tirx.AllocBuffer(b) for b in memory.values()] + slot_views(staged) + phases(staged.items))
     return tirx.PrimFunc(staged.parameters(), body).with_attr("global_symbol", "main")
+
+
+@dataclass(frozen=True)
+class StagedFunction:
+    """The staged program as one CPU function running ``grid`` blocks one after another."""
+
+    staged: StagedProgram
+    func: tirx.PrimFunc
+    grid: int
+
+    def __str__(self):
+        return self.func.script()
+
+
+def persistent_cpu_function(staged: StagedProgram) -> StagedFunction:
+    """``staged_function`` on as many blocks as the widest stage has tiles, at most ``PERSISTENT_CPU_GRID``."""
+    grid = min(staged.max_tiles, PERSISTENT_CPU_GRID)
+    return StagedFunction(staged, staged_function(staged, grid), grid)
+
+
+@dataclass(frozen=True)
+class CpuModule:
+    """A function built by LLVM, with the plan it runs (what it takes: inputs, weights, outputs,
+    arenas) and, for the staged program, its grid."""
+
+    plan: object  # codegen.stitch.StitchedProgram or codegen.staged.StagedProgram
+    executable: object  # tvm.runtime.Executable
+    grid: int | None = None
+
+    def __str__(self):
+        return self.executable.mod.inspect_source("ll")

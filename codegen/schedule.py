@@ -4,7 +4,7 @@ Every stage of the persistent kernel runs on the same thread block (``THREADS`` 
 of 32 along ``threadIdx.x``, ``THREADS / 32`` warps along ``threadIdx.y``) and covers its
 output in ``n_tiles`` tiles; a tile is a contiguous run of
 ``per_tile`` elements of the row-major output, so which tile wrote an element is
-``floor(flat_index / per_tile)`` — the map ``codegen.staging`` uses to decide where a grid
+``floor(flat_index / per_tile)`` — the map ``codegen.barriers`` uses to decide where a grid
 barrier is needed. The tile loop is the outermost loop of the stage (bound to ``blockIdx.x`` on
 the GPU); ``codegen.cuda`` and ``codegen.llvm`` replace it with the persistent
 ``for tile in range(block, n_tiles, grid)`` loop.
@@ -35,11 +35,12 @@ exactly the tiles the GPU runs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import reduce as _fold
 
 import tvm
-from tvm import s_tir, tirx
+from tvm import s_tir, te, tirx
 
 from souffle.errors import SouffleError
 
@@ -149,6 +150,17 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         _place_epilogue(sch, block, blocks[1], epilogue_mode, tile, holder, template, gpu)
     n_tiles = -(-outputs // per_tile)
     return sch.mod["main"], StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch))
+
+
+def schedule_te(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int = THREADS,
+                epilogue_mode: str | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
+    """``schedule_stage`` for one TE over ``placeholders`` (a stage isolated from its program);
+    an epilogue stage's tiles are counted in the epilogue's output, which the stage writes."""
+    func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, epilogue_mode)
+    if epilogue_mode is None:
+        return func, schedule
+    outputs = _product(int(d) for d in tensor.shape)
+    return func, dataclasses.replace(schedule, per_tile=schedule.per_tile * outputs // schedule.outputs, outputs=outputs)
 
 
 def _place_epilogue(sch: s_tir.Schedule, producer, epilogue, mode: str, tile, holder, template: str, gpu: bool):

@@ -1,4 +1,5 @@
-"""CPU schedules for one region's PrimFunc (LLVM target, AVX2-class x86).
+"""CPU schedules for one region's PrimFunc (LLVM target, AVX2-class x86), sized by the CPU's
+device model (``analysis.device.local_cpu``: its vector lanes and its per-core L2).
 
 Every rule is keyed on a block's structure (iterator kinds, extents, and the
 strides of its accesses in the flattened buffers), never on an op's name:
@@ -29,7 +30,6 @@ Parallel loops are only made where the work pays for waking the thread pool.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from functools import reduce as _fold
 
 import tvm
@@ -37,7 +37,9 @@ from tvm import s_tir, sym, tirx
 from tvm.ir import Range
 from tvm.ir.expr import TensorLoad  # what a BufferLoad is in TVM 0.27
 
-VECTOR_LANES = 8  # float32 lanes of one AVX2 register
+from analysis.device import DeviceModel
+
+DEFAULT_L2_BYTES = 512 << 10  # where the device model could not read the L2's size
 MAX_ACCUMULATORS = 12  # vector registers for a register tile (of 16; the rest hold loads)
 PARALLEL_MIN_WORK = 1 << 14  # multiply-adds or elements below which threads cost more than they save
 RFACTOR_MIN_EXTENT = 32  # shorter reductions are not worth a vector partial sum
@@ -276,7 +278,15 @@ def _largest_divisor(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _tile_plan(sch: s_tir.Schedule, info: _BlockInfo) -> _TilePlan | None:
+@dataclass(frozen=True)
+class _Cpu:
+    """What the rules read of the CPU: fp32 lanes of its vectors, and its per-core L2 in bytes."""
+
+    lanes: int
+    l2_bytes: int
+
+
+def _tile_plan(sch: s_tir.Schedule, info: _BlockInfo, cpu: _Cpu) -> _TilePlan | None:
     """The best register tile for a reduction block, or None if no axis vectorizes."""
     if not info.reduces or info.write.indices is None:
         return None
@@ -284,7 +294,7 @@ def _tile_plan(sch: s_tir.Schedule, info: _BlockInfo) -> _TilePlan | None:
     best = None
     for axis in info.spatial:
         extent = info.iters[axis].extent
-        for width in (2 * VECTOR_LANES, VECTOR_LANES):
+        for width in (2 * cpu.lanes, cpu.lanes):
             if extent % width:
                 continue
             strides, fixes = [], []
@@ -298,23 +308,23 @@ def _tile_plan(sch: s_tir.Schedule, info: _BlockInfo) -> _TilePlan | None:
                     stride = 1
                 strides.append(stride)
             else:
-                plan = _rows_for(info, axis, width, strides)
+                plan = _rows_for(info, axis, width, strides, cpu)
                 plan.fixes = fixes
                 out_contiguous = _stride(info, info.write, axis, width) == 1
                 fix_cost = sum(2 if copy else 1 for _, _, copy in fixes)
-                plan.score = (plan.row_tile * width // VECTOR_LANES, -fix_cost, width, out_contiguous, axis)
+                plan.score = (plan.row_tile * width // cpu.lanes, -fix_cost, width, out_contiguous, axis)
                 if best is None or plan.score > best.score:
                     best = plan
     return best
 
 
-def _rows_for(info: _BlockInfo, axis: int, width: int, strides: list[int]) -> _TilePlan:
+def _rows_for(info: _BlockInfo, axis: int, width: int, strides: list[int], cpu: _Cpu) -> _TilePlan:
     """Pick the rows of the tile: another spatial axis, preferably one along which the vector
     loads are invariant (each load then feeds several accumulators). Only when no other axis
     has more than one point (a GEMV) do the rows come from the vector axis itself: otherwise
     every tile would stream its own slice of the vector operand once per point of the
     other axes (a 1x1 convolution on 7x7 pixels would read its weights 49 times)."""
-    limit = MAX_ACCUMULATORS // (width // VECTOR_LANES)
+    limit = MAX_ACCUMULATORS // (width // cpu.lanes)
     vector_loads = [a for a, s in zip(info.reads, strides) if s == 1]
     best = None
     for rows in info.spatial:
@@ -328,12 +338,12 @@ def _rows_for(info: _BlockInfo, axis: int, width: int, strides: list[int]) -> _T
             best = (key, rows, tile)
     if best is not None:
         _, rows, tile = best
-        return _TilePlan(axis, width, rows, tile, _vector_tiles_outermost(info, rows, tile, strides))
+        return _TilePlan(axis, width, rows, tile, _vector_tiles_outermost(info, rows, tile, strides, cpu.l2_bytes))
     tile = _largest_divisor(info.iters[axis].extent // width, limit)
     return _TilePlan(axis, width, None, tile)
 
 
-def _vector_tiles_outermost(info: _BlockInfo, rows: int, tile: int, strides: list[int]) -> bool:
+def _vector_tiles_outermost(info: _BlockInfo, rows: int, tile: int, strides: list[int], l2: int) -> bool:
     """Order of the tiles. By default consecutive tiles walk the vector axis, so the rows'
     operand (read a scalar at a time, the strided one) stays in cache while the vector
     operand (packed weights, prefetchable) streams past, once per row of tiles. When that
@@ -344,23 +354,11 @@ def _vector_tiles_outermost(info: _BlockInfo, rows: int, tile: int, strides: lis
     rows_operand = [a for a, s in zip(info.reads, strides) if s == 0 and _stride(info, a, rows, tile) != 0]
     if not vector_operand or not rows_operand:
         return False
-    l2 = _l2_bytes()
     return max(map(_bytes, vector_operand)) > l2 >= max(map(_bytes, rows_operand))
 
 
 def _bytes(access: _Access) -> int:
     return _product(int(d) for d in access.buffer.shape) * tvm.runtime.DataType(str(access.buffer.dtype)).bits // 8
-
-
-@lru_cache(maxsize=1)
-def _l2_bytes() -> int:
-    """This CPU's per-core L2 size (Linux sysfs), 512 KiB if it cannot be read."""
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index2/size") as f:
-            text = f.read().strip()
-        return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]
-    except (OSError, ValueError, KeyError):
-        return 512 << 10
 
 
 def _apply_fixes(sch: s_tir.Schedule, block, plan: _TilePlan):
@@ -468,22 +466,22 @@ def _stores_contiguously(stmt) -> bool:
 
 
 # -- rule 3: reductions along a contiguous axis ------------------------------------------------
-def _contiguous_reduction(info: _BlockInfo) -> bool:
+def _contiguous_reduction(info: _BlockInfo, lanes: int) -> bool:
     """Whether the innermost reduction iterator walks every read that uses it with unit stride."""
     axis = info.reduces[-1]
     extent = info.iters[axis].extent
-    if extent < RFACTOR_MIN_EXTENT or extent % VECTOR_LANES:
+    if extent < RFACTOR_MIN_EXTENT or extent % lanes:
         return False
-    strides = [_stride(info, access, axis, VECTOR_LANES) for access in info.reads]
+    strides = [_stride(info, access, axis, lanes) for access in info.reads]
     return all(s in (0, 1) for s in strides) and 1 in strides
 
 
-def _schedule_rfactor(sch: s_tir.Schedule, block, info: _BlockInfo):
+def _schedule_rfactor(sch: s_tir.Schedule, block, info: _BlockInfo, lanes: int):
     """Partial sums in vector lanes (``rf[..., lane]``), then a short sum over the lanes.
     Both run inside the same parallel loop over the outputs."""
     loops = sch.get_loops(block)
-    _, lanes = sch.split(loops[info.reduces[-1]], [None, VECTOR_LANES])
-    partial = sch.rfactor(lanes, factor_axis=len(info.spatial))
+    _, lane = sch.split(loops[info.reduces[-1]], [None, lanes])
+    partial = sch.rfactor(lane, factor_axis=len(info.spatial))
     loops = sch.get_loops(partial)
     spatial = loops[: len(info.spatial)]
     outer = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
@@ -495,7 +493,7 @@ def _schedule_rfactor(sch: s_tir.Schedule, block, info: _BlockInfo):
 
 
 # -- rule 4: everything else -------------------------------------------------------------------
-def _schedule_plain(sch: s_tir.Schedule, block, info: _BlockInfo | None):
+def _schedule_plain(sch: s_tir.Schedule, block, info: _BlockInfo | None, lanes: int):
     """Outer spatial loops fused and parallel; the innermost loop vectorized when its extent
     is a multiple of the lanes, else left whole (fusing it in would put a division and a
     modulo into every element's address). Reductions keep their loops serial."""
@@ -505,14 +503,14 @@ def _schedule_plain(sch: s_tir.Schedule, block, info: _BlockInfo | None):
     spatial = loops[: len(info.spatial)]
     inner = None
     if not info.reduces:
-        if info.iters[len(spatial) - 1].extent % VECTOR_LANES == 0:
-            spatial[-1], inner = sch.split(spatial[-1], [None, VECTOR_LANES])
+        if info.iters[len(spatial) - 1].extent % lanes == 0:
+            spatial[-1], inner = sch.split(spatial[-1], [None, lanes])
         elif len(spatial) > 1:
             spatial, inner = spatial[:-1], spatial[-1]
     outer = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
     if info.work >= PARALLEL_MIN_WORK and (_const_extent(sch, outer) or 0) >= 2:
         sch.parallel(outer)
-    if inner is not None and _const_extent(sch, inner) == VECTOR_LANES:
+    if inner is not None and _const_extent(sch, inner) == lanes:
         sch.vectorize(inner)
 
 
@@ -534,14 +532,15 @@ def _blocks(sch: s_tir.Schedule) -> list:
     return list(sch.get_child_blocks(sch.get_sblock("root")))
 
 
-def schedule_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """A CPU schedule for one region's PrimFunc."""
+def schedule_cpu(func: tirx.PrimFunc, device: DeviceModel) -> tirx.PrimFunc:
+    """A CPU schedule for one region's PrimFunc, for the CPU ``device`` describes."""
+    cpu = _Cpu(device.vector_lanes, device.smem_per_block or DEFAULT_L2_BYTES)
     sch = s_tir.Schedule(func)
     _inline_producers(sch)
     for block in _blocks(sch):  # layouts first, so producers are scheduled for their new layout
         info = _block_info(sch, block)
         if info is not None and info.reduces:
-            plan = _tile_plan(sch, info)
+            plan = _tile_plan(sch, info, cpu)
             if plan is not None and plan.fixes:
                 _apply_fixes(sch, block, plan)
     for name in [sch.get(block).name_hint for block in _blocks(sch)]:
@@ -549,19 +548,19 @@ def schedule_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
             block = sch.get_sblock(name)
         except s_tir.ScheduleError:
             continue  # folded into an earlier tile's write-back
-        _schedule_block(sch, block, _block_info(sch, block))
+        _schedule_block(sch, block, _block_info(sch, block), cpu)
     return sch.mod["main"]
 
 
-def _schedule_block(sch: s_tir.Schedule, block, info: _BlockInfo | None):
+def _schedule_block(sch: s_tir.Schedule, block, info: _BlockInfo | None, cpu: _Cpu):
     if info is not None and info.reduces:
-        plan = _tile_plan(sch, info)
+        plan = _tile_plan(sch, info, cpu)
         if plan is not None:
             _schedule_tiled(sch, block, info, plan)
-        elif _contiguous_reduction(info):
-            _schedule_rfactor(sch, block, info)
+        elif _contiguous_reduction(info, cpu.lanes):
+            _schedule_rfactor(sch, block, info, cpu.lanes)
         else:
-            _schedule_plain(sch, block, info)
+            _schedule_plain(sch, block, info, cpu.lanes)
     elif info is not None:
         for part in _split_padding(sch, block):
-            _schedule_plain(sch, part, _block_info(sch, part))
+            _schedule_plain(sch, part, _block_info(sch, part), cpu.lanes)

@@ -23,6 +23,7 @@ from souffle import recipe
 from souffle.errors import GraphError
 from souffle.graph import Graph, TensorSpec
 from souffle.lower import LoopRegion, Region, TEProgram
+from souffle.naming import c_name
 
 Scheduler = Callable[[tvm.tirx.PrimFunc], tvm.tirx.PrimFunc]
 
@@ -76,8 +77,17 @@ class StitchedProgram:
     weights: list[tuple[TensorSpec, np.ndarray]]  # includes per-scan stacked weights
     outputs: list[TensorSpec]
     arena_sizes: dict[str, int]
-    region_count: int
-    loop_count: int
+
+    def kernel_count(self, executed: bool = False) -> int:
+        """One function, whatever the model (the same count run per inference)."""
+        return 1
+
+    def summary(self) -> dict[str, str]:
+        """Report lines beyond the common ones: none."""
+        return {}
+
+    def __str__(self):
+        return self.func.script()
 
 
 class Stitcher:
@@ -85,7 +95,7 @@ class Stitcher:
 
     The placement (inputs, weights, outputs, arena slots, a scan's ping-pong carries, sliced
     sequences and stacked per-iteration weights) is shared by the LLVM function built here and
-    the persistent kernel's staged program (``codegen.staging``), which overrides what a
+    the persistent kernel's staged program (``codegen.stage``), which overrides what a
     region, a copy and a loop become.
     """
 
@@ -97,8 +107,6 @@ class Stitcher:
         self.recipes: dict[str, list] = {}  # a weight -> how it is made from the model's (souffle.recipe)
         self.weight_buffers: dict[str, tirx.Buffer] = {}
         self.carry_slots: dict[tuple[str, str], BufferRef] = {}  # (loop, carry) -> slots its init is computed into
-        self.region_count = 0
-        self.loop_count = 0
 
     def flat(self, spec: TensorSpec, name: str) -> tirx.Buffer:
         return tirx.decl_buffer((spec.size,), spec.dtype, name=name)
@@ -120,7 +128,6 @@ class Stitcher:
         return tirx.For(i, 0, src.spec.size, tirx.ForKind.SERIAL, store)
 
     def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
-        self.region_count += 1
         func = self.scheduler(region.prim_func())
         names = region.inputs + region.outputs
         decls = [tirx.DeclBuffer(param, data=self.resolve(refs, name).pointer()) for param, name in zip(func.params, names)]
@@ -164,7 +171,6 @@ class Stitcher:
 
     def loop(self, region: LoopRegion, graph: Graph, refs: dict[str, BufferRef]) -> list:
         """A scan as a serial loop; carried state ping-pongs between two arena slots."""
-        self.loop_count += 1
         scan, body = region.scan, region.body.graph
         i = tirx.Var(f"{region.name}_i", "int64")
         before: list[tirx.Stmt] = []
@@ -255,10 +261,6 @@ class Stitcher:
         return values, list(self.weight_buffers.values())
 
 
-def c_name(name: str) -> str:
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-
-
 def stitch(program: TEProgram, scheduler: Scheduler) -> StitchedProgram:
     """One PrimFunc for the whole program, each region scheduled by ``scheduler``."""
     st = Stitcher(program.graph, scheduler)
@@ -272,4 +274,4 @@ def stitch(program: TEProgram, scheduler: Scheduler) -> StitchedProgram:
     # tests/test_stitch.py's poisoned-arena runs catch it).
     func = tirx.PrimFunc(params, tirx.SeqStmt(stmts)).with_attr("global_symbol", "main")
     return StitchedProgram(func, list(program.graph.inputs), weights, program.graph.output_specs(),
-                           dict(st.arena.sizes), st.region_count, st.loop_count)
+                           dict(st.arena.sizes))

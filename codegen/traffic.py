@@ -3,7 +3,7 @@
 Between stages the persistent kernel keeps no tensor on chip: every stage loads what it reads
 from global memory and stores its whole output there. Inside a stage, a fused reduction's
 result stays in registers or shared memory (an epilogue stage reads only the reduction's
-inputs), and a weight kept on chip across a loop (``codegen.staging.OnChip``) is read from
+inputs), and a weight kept on chip across a loop (``codegen.staged.OnChip``) is read from
 global memory once, by the load before the loop. So per execution a stage
 moves, for each tensor it reads, the distinct elements its access relation touches (an
 element loaded by several threads or reduction steps counts once), plus its output. A stage
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from analysis.dependence import count_points
-from codegen.staging import Loop, OnChip, Stage, StagedProgram
+from codegen.staged import Loop, OnChip, Stage, StagedProgram
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,8 @@ def _stage_traffic(stage: Stage, loops: tuple[str, ...], executions: int) -> Sta
 def _load_traffic(load: OnChip, loops: tuple[str, ...], executions: int) -> StageTraffic:
     """Every block's copy of its tiles' slices of an on-chip weight: the weight, read once."""
     source = load.source
-    elements = min(load.stage.schedule.n_tiles * load.per_tile, source.spec.size)
-    return StageTraffic(f"on-chip load of {source.spec.name} for {load.stage.name}", loops, executions,
+    elements = min(load.n_tiles * load.per_tile, source.spec.size)
+    return StageTraffic(f"on-chip load of {source.spec.name} for {load.reader}", loops, executions,
                         ((source.spec.name, elements * _itemsize(source.spec.dtype)),), 0, True)
 
 

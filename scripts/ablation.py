@@ -1,4 +1,4 @@
-"""The paper's ablation: every model at opt levels O0-O4 (``codegen.transform``).
+"""The paper's ablation: every model at opt levels O0-O4 (``codegen.pipelines``).
 
 Per model and level, all levels compiled from the same graph and run on the same inputs:
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 import souffle
 from benchmarks import common
 from codegen.traffic import memory_traffic
-from codegen.transform import OPT_LEVELS
+from codegen.pipelines import OPT_LEVELS
 from souffle import models
 
 PACKAGES = ("apache-tvm", "apache-tvm-ffi", "islpy", "numpy", "torch", "cuda-bindings")
@@ -56,7 +56,7 @@ def measure(name: str, config: str, level: int, graph, inputs, expected, args) -
            "stages_executed": staged.stage_count(executed=True), "read_bytes": traffic.read_bytes,
            "write_bytes": traffic.write_bytes, "compulsory_bytes": traffic.compulsory_bytes,
            "weight_bytes": sum(spec.size * np.dtype(spec.dtype).itemsize for spec, _ in staged.weights),
-           "compile_s": round(compile_s, 3), "transforms": staged.transforms, "on_chip": staged.on_chip_notes}
+           "compile_s": round(compile_s, 3), "transforms": model.transforms, "on_chip": model.on_chip_notes}
     if not args.no_run:
         outputs = model.run(inputs)
         row["max_abs_error"] = max(float(np.max(np.abs(o - e))) for o, e in zip(outputs, expected))

@@ -20,7 +20,7 @@ def _compile(args) -> int:
         raise SouffleError(f"--emit-source writes CUDA source: it needs --target cuda, not {args.target!r}")
     graph = models.build(args.model, config=args.config, seed=args.seed)
     compiled = souffle.compile(graph, target=args.target, device=args.device, threads=args.threads,
-                               opt_level=args.opt_level)
+                               opt_level=args.opt_level, dump_ir=args.dump_ir, print_after=args.print_after)
     if args.emit_source:
         with open(args.emit_source, "w") as out:
             out.write(compiled.source)
@@ -63,6 +63,16 @@ def _analyze(args) -> int:
     return 0
 
 
+def _passes(args) -> int:
+    from codegen.pipelines import PIPELINES
+
+    if args.target is not None and args.target not in PIPELINES:
+        raise SouffleError(f"unknown target {args.target!r}; available: {', '.join(PIPELINES)}")
+    chosen = [PIPELINES[args.target]] if args.target else list(PIPELINES.values())
+    print("\n\n".join(pipeline.describe() for pipeline in chosen))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from souffle.models import MODELS
 
@@ -86,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     compile_cmd.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     compile_cmd.add_argument("--repeat", type=int, default=5, help="timed runs (the median is reported)")
     compile_cmd.add_argument("--explain", action="store_true", help="print the graph and the global TE program")
+    compile_cmd.add_argument("--dump-ir", metavar="DIR",
+                             help="write the IR after every pass to DIR, one numbered file per pass in pipeline order")
+    compile_cmd.add_argument("--print-after", metavar="PASS", action="append", default=[],
+                             help="print the IR after pass PASS (repeatable; `souffle passes` lists them)")
     compile_cmd.add_argument("--json", action="store_true", help="print the report as JSON")
     compile_cmd.set_defaults(run=_compile)
     analyze_cmd = commands.add_parser(
@@ -95,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     analyze_cmd.add_argument("--device", default="h200", help="device model for the roofline: h200, a100 or cpu")
     analyze_cmd.add_argument("--json", action="store_true", help="print every TE and the summary as JSON")
     analyze_cmd.set_defaults(run=_analyze)
+    passes_cmd = commands.add_parser("passes", help="print each target's pipeline: its passes in order")
+    passes_cmd.add_argument("--target", default=None, help="llvm, cuda or llvm-persistent (default: all three)")
+    passes_cmd.set_defaults(run=_passes)
     return parser
 
 

@@ -9,33 +9,9 @@ cuda-python and launches it cooperatively, sizing the grid with the driver's occ
 
 from __future__ import annotations
 
-from souffle.compiler import CompiledModel, Report, gpu_device_model, timed
-from souffle.errors import TargetError
+from souffle.compiled import CompiledModel, Report
+from souffle.passes import PipelineRun
 from souffle.runtime.artifact import KernelArtifact, Launcher, TensorSlot
-
-
-def build_cuda(graph, program, staged, device: str | None, seconds: dict[str, float]) -> CudaModel:
-    from codegen.cuda import argument_order, co_resident_grid, cuda_source, kernel_plan
-    from souffle.runtime.cuda import compile_cubin
-
-    model = gpu_device_model(device or "h200")
-    plan = timed(seconds, "kernel", kernel_plan, staged)
-    source = timed(seconds, "codegen", cuda_source, plan.funcs, model.arch)
-    cubin, resources = timed(seconds, "nvcc", compile_cubin, source, model.arch, tuple(plan.kernel_names))
-    launches = {f"{launch.kernel}_kernel": launch for launch in plan.kernel_launches()}
-    occupancy = {}
-    for name, used in resources.items():
-        launch = launches[name]
-        try:
-            occupancy[name] = co_resident_grid(used.registers, used.shared_bytes + launch.dynamic_shared, model,
-                                               staged.threads)
-        except TargetError as err:
-            raise TargetError(f"kernel {name}: {err}") from None
-        if occupancy[name].grid < launch.min_grid:
-            raise TargetError(f"kernel {name}: its on-chip weights assume at least {launch.min_grid} blocks, but only "
-                              f"{occupancy[name].grid} can be co-resident on {model.name}")
-    orders = {name: argument_order(source, staged, name) for name in plan.kernel_names}
-    return CudaModel(graph, program, staged, source, model, cubin, resources, occupancy, orders, plan, seconds)
 
 
 class CudaModel(CompiledModel):
@@ -46,24 +22,25 @@ class CudaModel(CompiledModel):
     ``kernel_occupancy`` and ``argument_orders`` have every kernel's.
     """
 
-    def __init__(self, graph, program, staged, source, device_model, cubin, resources, occupancy, orders, plan,
-                 seconds):
+    def __init__(self, graph, passes: PipelineRun):
         from codegen.cuda import kernel_count
 
-        super().__init__(graph, "cuda", program, staged, None, seconds)
-        self.source = source
-        self.device_model = device_model
-        self.cubin = cubin
-        self.kernel_plan = plan
-        self.kernel_resources = resources
-        self.kernel_occupancy = occupancy
-        self.argument_orders = orders
+        kernels = passes.ir
+        staged = kernels.plan.staged
+        resources = kernels.binary.resources
         widest = max(resources, key=lambda name: resources[name].registers)
+        super().__init__(graph, passes, staged, min(kernels.occupancy[widest].grid, staged.max_tiles))
+        self.source = kernels.binary.source.text
+        self.device_model = passes.options.device
+        self.cubin = kernels.binary.cubin
+        self.kernel_plan = kernels.plan
+        self.kernel_resources = resources
+        self.kernel_occupancy = kernels.occupancy
+        self.argument_orders = kernels.argument_orders
         self.resources = resources[widest]
-        self.occupancy = occupancy[widest]
-        self.argument_order = orders[widest]
-        self.grid = min(occupancy[widest].grid, staged.max_tiles)
-        self.kernel_count = kernel_count(source)
+        self.occupancy = kernels.occupancy[widest]
+        self.argument_order = kernels.argument_orders[widest]
+        self.kernel_count = kernel_count(self.source)
         self._gpu = None
 
     def artifact(self, config: str | None = None, seed: int = 0, archs: tuple[str, ...] = ()) -> KernelArtifact:
@@ -130,4 +107,3 @@ def _launches_json(launches) -> list[dict]:
                         "max_tiles": launch.max_tiles, "dynamic_shared": launch.dynamic_shared,
                         "min_grid": launch.min_grid})
     return out
-

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from tvm import te
 
 from souffle.graph import Graph, Op, Scan, TensorSpec
+from souffle.naming import c_name
 from souffle.ops import lower_op
 
 
@@ -27,6 +28,9 @@ class Region:
     outputs: list[str]  # tensors read after the region or returned by the graph
     tensors: dict[str, te.Tensor]  # every graph tensor of the region -> its TE tensor
     op_of: dict = field(default_factory=dict)  # TE operation -> the graph Op that created it
+    # consumer TE operation -> (the reduction it alone reads, 'register' or 'shared'): the pairs
+    # that run as one stage of the persistent kernel (marked by codegen.epilogues)
+    epilogues: dict = field(default_factory=dict)
 
     @property
     def placeholders(self) -> list[te.Tensor]:
@@ -86,6 +90,14 @@ class TEProgram:
     def te_count(self) -> int:
         return len(self.stages())
 
+    def region_count(self) -> int:
+        """Regions, loop bodies' included (each once)."""
+        return sum(r.body.region_count() if isinstance(r, LoopRegion) else 1 for r in self.regions)
+
+    def loop_count(self) -> int:
+        """Loops, nested ones included."""
+        return sum(1 + r.body.loop_count() for r in self.regions if isinstance(r, LoopRegion))
+
     def op_of(self, tensor: te.Tensor) -> Op | None:
         """The graph op whose lowering created this TE."""
         for region in self.regions:
@@ -120,15 +132,13 @@ class TEProgram:
                     axes = ", ".join(str(ax.var) for ax in stage.op.axis)
                     red = ", ".join(str(ax.var) for ax in stage.op.reduce_axis)
                     lines.append(f"    {stage.op.name}[{axes}]" + (f" reduce[{red}]" if red else "") + f" {list(stage.shape)}")
+                lines += [f"    epilogue ({mode}): {producer.op.name} + {consumer.name}"
+                          for consumer, (producer, mode) in region.epilogues.items()]
         return "\n".join(lines)
 
 
 def _placeholder(spec: TensorSpec) -> te.Tensor:
-    return te.placeholder(spec.shape, spec.dtype, name=_te_name(spec.name))
-
-
-def _te_name(name: str) -> str:
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    return te.placeholder(spec.shape, spec.dtype, name=c_name(spec.name))
 
 
 def _needed_later(graph: Graph, ops: list[Op | Scan], start: int) -> set[str]:
@@ -148,7 +158,7 @@ def lower_graph(graph: Graph) -> TEProgram:
     def close_run(next_index: int):
         if not run:
             return
-        region = _lower_region(graph, f"{_te_name(graph.name)}_r{len(regions)}", list(run),
+        region = _lower_region(graph, f"{c_name(graph.name)}_r{len(regions)}", list(run),
                                _needed_later(graph, list(graph.ops), next_index))
         for name in region.inputs:
             if name in producer_of:
@@ -168,7 +178,7 @@ def lower_graph(graph: Graph) -> TEProgram:
             for body_out, stacked in op.ys:
                 if body_out in body_producer:
                     producer_of[stacked] = body_producer[body_out]
-            regions.append(LoopRegion(_te_name(op.name), op, body))
+            regions.append(LoopRegion(c_name(op.name), op, body))
         else:
             run.append(op)
     close_run(len(graph.ops))
@@ -190,7 +200,7 @@ def _lower_region(graph: Graph, name: str, ops: list[Op], needed_after: set[str]
         results = lower_op(op.kind, te_inputs, op.attrs)
         for tensor_name, result in zip(op.outputs, results):
             if not isinstance(result.op, te.ComputeOp) or any(result.same_as(t) for t in te_inputs):
-                result = te.compute(result.shape, lambda *i, r=result: r(*i), name=_te_name(tensor_name))
+                result = te.compute(result.shape, lambda *i, r=result: r(*i), name=c_name(tensor_name))
             tensors[tensor_name] = result
             produced.append(tensor_name)
             _claim_stages(result, op, op_of)

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from codegen.pipelines import CUDA, LLVM
 from souffle.cli import main
 from souffle.runtime.cuda import gpu_available
 
@@ -35,6 +36,10 @@ def test_explain_prints_graph_and_te_program(capsys):
     (["compile", "mmoe", "--target", "cuda", "--device", "cpu", "--no-run"], "needs a GPU device model"),
     (["compile", "mmoe", "--target", "llvm-persistent", "--opt-level", "7"], "opt level must be one of 0, 1, 2, 3, 4"),
     (["compile", "mmoe", "--opt-level", "2"], "opt levels are the persistent kernel's"),
+    (["compile", "mmoe", "--print-after", "fusion"], "cannot print after 'fusion': target 'llvm' has no such pass"),
+    (["compile", "mmoe", "--target", "cuda", "--opt-level", "1", "--print-after", "vertical"],
+     "cannot print after 'vertical': it runs from opt level 2, and this compile is at O1"),
+    (["passes", "--target", "tpu"], "unknown target 'tpu'"),
 ])
 def test_bad_arguments_exit_2_with_a_reason(capsys, argv, message):
     assert main(argv) == 2
@@ -101,3 +106,27 @@ def test_default_opt_level_reports_its_transformations(capsys):
     assert "transform 1    wavefront: lstm: 3 layers x 5 steps -> one wavefront scan of 7 steps" in out
     assert "on chip 1      weight (read by wavefront_step_r0/gate_product+state_next" in out
     assert "partition      1 kernel: every stage co-resident" in out and "check          PASS" in out
+
+
+@pytest.mark.parametrize("target, pipeline", [("cuda", CUDA), ("llvm", LLVM)])
+def test_dump_ir_writes_one_file_per_pass_in_pipeline_order(capsys, tmp_path, target, pipeline):
+    assert main(["compile", "bert", "--config", "tiny", "--target", target, "--no-run", "--dump-ir", str(tmp_path)]) == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["00-input.graph.txt"] + [pipeline.dump_name(p) for p in pipeline.passes]
+    assert (tmp_path / "00-input.graph.txt").read_text().startswith("graph bert(")
+    assert "TE program bert" in (tmp_path / files[3]).read_text()  # 03-lower.te.txt
+    if target == "cuda":
+        assert "__global__" in (tmp_path / "14-cuda_source.cu").read_text()
+        assert (tmp_path / "09-place_barriers.staged.txt").read_text().startswith("staged program bert")
+
+
+def test_print_after_prints_that_pass_ir(capsys):
+    assert main(["compile", "mmoe", "--target", "llvm-persistent", "--no-run", "--print-after", "place_barriers"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("-- IR after place_barriers (staged) --\nstaged program mmoe: ")
+    assert "\nmodel          mmoe (target llvm-persistent)" in out
+
+
+def test_passes_prints_each_targets_pipeline(capsys):
+    assert main(["passes", "--target", "cuda"]) == 0
+    assert capsys.readouterr().out == CUDA.describe() + "\n"

@@ -11,17 +11,16 @@ import pytest
 from tvm import s_tir
 
 import souffle
-from analysis.device import get_device
+from analysis.device import co_resident_grid, get_device
 from codegen.cuda import (
     argument_order,
-    co_resident_grid,
     cuda_source,
     kernel_count,
     kernel_signature,
     persistent_kernel,
 )
 from souffle import models, recipe
-from souffle.compiler import staged_program
+from souffle.compiler import run_passes, staged_program
 from souffle.errors import TargetError
 from souffle.graph import GraphBuilder
 from souffle.lower import lower_graph
@@ -52,11 +51,11 @@ def test_one_kernel_that_builds_and_is_co_resident(compiled, name, config):
     assert "cg::this_grid().sync()" in model.source or model.plan.barrier_count() == 0
     assert model.cubin[:4] == b"\x7fELF"
     on_chip = model.plan.on_chip_bytes  # dynamic shared memory: weights kept on chip across a loop
-    h200 = co_resident_grid(model.resources.registers, model.resources.shared_bytes + on_chip, get_device("h200"))
+    h200 = co_resident_grid(model.resources.registers, model.resources.shared_bytes + on_chip, get_device("h200"), 256)
     assert h200.grid == model.occupancy.grid >= 132
     cubin, sm80 = compile_cubin(model.source, "sm_80")
     assert cubin[:4] == b"\x7fELF" and sm80.arch == "sm_80"
-    a100 = co_resident_grid(sm80.registers, sm80.shared_bytes + on_chip, get_device("a100"))
+    a100 = co_resident_grid(sm80.registers, sm80.shared_bytes + on_chip, get_device("a100"), 256)
     assert a100.grid >= 108
     assert 1 <= model.grid <= h200.grid
 
@@ -69,14 +68,14 @@ def test_grid_sync_only_where_the_staging_put_barriers(compiled):
 def test_occupancy_follows_the_cuda_rules():
     h200 = get_device("h200")
     # 32 registers x 256 threads = 8192 per block: 8 blocks by registers, 8 by threads (2048/256).
-    assert co_resident_grid(32, 0, h200).blocks_per_sm == 8
+    assert co_resident_grid(32, 0, h200, 256).blocks_per_sm == 8
     # 128 registers: 32768 per block, 2 blocks.
-    occupancy = co_resident_grid(128, 0, h200)
+    occupancy = co_resident_grid(128, 0, h200, 256)
     assert occupancy.blocks_per_sm == 2 and occupancy.limiter == "registers" and occupancy.grid == 264
     # 100 KiB of shared memory: (228 KiB) // (100 KiB + 1 KiB reserved) = 2 blocks.
-    assert co_resident_grid(32, 100 * 1024, h200).limits["shared memory"] == 2
+    assert co_resident_grid(32, 100 * 1024, h200, 256).limits["shared memory"] == 2
     # registers are allocated per warp in units of 256: 33 registers cost 40 per thread.
-    assert co_resident_grid(33, 0, h200).limits["registers"] == 65536 // (40 * 256)
+    assert co_resident_grid(33, 0, h200, 256).limits["registers"] == 65536 // (40 * 256)
 
 
 def test_a_kernel_that_cannot_be_resident_is_refused_with_numbers():
@@ -84,7 +83,7 @@ def test_a_kernel_that_cannot_be_resident_is_refused_with_numbers():
                                           r"registers per block > 65536"):
         co_resident_grid(255, 0, get_device("h200"), threads=1024)
     with pytest.raises(TargetError, match=r"240000 bytes of shared memory per block > 232448"):
-        co_resident_grid(32, 240_000, get_device("h200"))
+        co_resident_grid(32, 240_000, get_device("h200"), 256)
 
 
 def test_kernel_arguments_are_matched_by_name(compiled):
@@ -143,7 +142,7 @@ def test_shared_memory_is_pooled_across_stages():
     the kernel's shared buffers by liveness."""
     b = GraphBuilder("two")
     y = b.op("relu", b.input("x", (64, 256)), name="y")
-    staged = staged_program(lower_graph(b.build(b.op("tanh", y, name="z"))), True, 256, level=3)
+    staged = staged_program(lower_graph(b.build(b.op("tanh", y, name="z"))), "cuda", 256, opt_level=3)
 
     def staged_through_shared(stage):
         sch = s_tir.Schedule(stage.func)
@@ -196,7 +195,7 @@ def test_every_opt_level_builds_for_sm80_and_sm90(name):
 def test_unfused_levels_launch_loop_bodies_from_the_host():
     from codegen.cuda import HostLoop, Launch, kernel_plan
 
-    staged = staged_program(lower_graph(models.build("lstm", "tiny")), True, 256, level=0)
+    staged = staged_program(lower_graph(models.build("lstm", "tiny")), "cuda", 256, opt_level=0)
     launches = kernel_plan(staged).launches
     loops = [launch for launch in launches if isinstance(launch, HostLoop)]
     assert [loop.trips for loop in loops] == [5, 2]  # layer 0's time steps; the other layers
@@ -207,20 +206,18 @@ def test_unfused_levels_launch_loop_bodies_from_the_host():
 
 def test_paper_lstm_keeps_its_weights_on_chip_on_h200_not_on_a100():
     from codegen.traffic import memory_traffic
-    from codegen.transform import optimize
 
     graph = models.build("lstm", "paper")
-    program = optimize(graph, 4).program
-    h200 = staged_program(program, True, 256, 4, "h200")
+    h200 = run_passes(graph, "cuda", stop="plan_arena", device="h200")
     # 1,280 tiles of 4 hidden units (8 gate rows of 512 weights) over 132 blocks: 10 slices each.
-    assert h200.on_chip_notes[0].startswith("weight (read by wavefront_step_r0/gate_product+state_next in loop "
-                                            "wavefront) on chip: 10 tiles per block x 4096 elements, 163840 B")
-    assert h200.barrier_count(executed=True) == 109 + 2  # one per wavefront step, two around the loop
+    assert h200.notes("on chip")[0].startswith("weight (read by wavefront_step_r0/gate_product+state_next in loop "
+                                               "wavefront) on chip: 10 tiles per block x 4096 elements, 163840 B")
+    assert h200.ir.barrier_count(executed=True) == 109 + 2  # one per wavefront step, two around the loop
     weights = sum(v.nbytes for v in graph.weights.values())
-    assert memory_traffic(h200).read_bytes < 1.2 * weights
-    a100 = staged_program(program, True, 256, 4, "a100")
-    assert "stays in global memory: 12 tiles per block x 16384 B = 196608 B >" in a100.on_chip_notes[0]
-    assert memory_traffic(a100).read_bytes > 100 * weights  # every step reads the weights again
+    assert memory_traffic(h200.ir).read_bytes < 1.2 * weights
+    a100 = run_passes(graph, "cuda", stop="plan_arena", device="a100")
+    assert "stays in global memory: 12 tiles per block x 16384 B = 196608 B >" in a100.notes("on chip")[0]
+    assert memory_traffic(a100.ir).read_bytes > 100 * weights  # every step reads the weights again
 
 
 def test_launcher_runs_host_loops_and_passes_their_counters():

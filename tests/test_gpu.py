@@ -22,9 +22,9 @@ def _bundle(name: str, config: str, tmp_path: Path) -> Path:
     exported = os.environ.get("SOUFFLE_GPU_ARTIFACTS")
     if exported:
         return Path(exported) / f"{name}_{config}"
-    from souffle.runtime.check import export
+    from souffle.compiler import export_check
 
-    export(name, config, tmp_path / name)
+    export_check(name, config, tmp_path / name)
     return tmp_path / name
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from analysis.device import A100, H200
-from analysis.partition import (
+from codegen.partition import (
     REGISTER_ESTIMATES,
     partition,
     saturating_grid,
@@ -23,7 +23,7 @@ KB = 1024
 
 
 def _staged(graph):
-    return staged_program(lower_graph(graph), True, 256)
+    return staged_program(lower_graph(graph), "cuda", 256)
 
 
 def _chain(side: int, ops: list[str]):

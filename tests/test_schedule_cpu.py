@@ -6,8 +6,9 @@ import pytest
 import tvm
 from tvm import te, topi
 
-from codegen.llvm import host_target, use_every_core
+from analysis.device import local_cpu
 from codegen.cpu_math import register_llvm_math
+from codegen.llvm import host_target, use_every_core
 from codegen.schedule_cpu import schedule_cpu
 from souffle.ops.packed import conv2d_packed, dense_packed, pack_rows
 
@@ -18,7 +19,7 @@ register_llvm_math()
 def _build(tensors, n_inputs, arrays):
     """Schedule and compile ``te.create_prim_func(tensors)``; run it on ``arrays``.
     Returns (the scheduled TVMScript text, the outputs)."""
-    scheduled = schedule_cpu(te.create_prim_func(tensors))
+    scheduled = schedule_cpu(te.create_prim_func(tensors), local_cpu())
     lib = tvm.compile(tvm.IRModule({"main": scheduled}), target=host_target())
     dev = tvm.cpu()
     args = [tvm.runtime.tensor(a, dev) for a in arrays]

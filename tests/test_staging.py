@@ -1,6 +1,8 @@
 """The staged program: per-TE stages, barriers from access relations, arena reuse, and the CPU
 run of the very stages the CUDA kernel runs, checked against PyTorch and hand-built numbers."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from model_checks import run_poisoned
@@ -8,18 +10,12 @@ from tvm import tirx
 
 import souffle
 from codegen import llvm
-from codegen.staging import (
-    Loop,
-    _Access,
-    _live_ranges,
-    _same_memory,
-    _Scope,
-    place_barriers,
-    plan_arena,
-    same_block,
-    stage_program,
-)
+from codegen.arena import _live_ranges, plan_arena
+from codegen.barriers import _Access, _same_memory, _Scope, place_barriers, same_block
+from codegen.stage import stage_program
+from codegen.staged import Loop, copy_items, stages_in
 from codegen.stitch import BufferRef
+from souffle.compiled import CpuModel
 from souffle import models
 from souffle.graph import GraphBuilder, TensorSpec
 from souffle.lower import lower_graph
@@ -128,23 +124,27 @@ def test_paper_staged_program_on_cpu_matches_pytorch(name):
     _check_on_cpu(name, "paper", 256)
 
 
+def _without_barrier_before(compiled, suffix: str) -> CpuModel:
+    """``compiled`` (llvm-persistent) rebuilt with no grid barrier before the stage named ``.../suffix``."""
+    items = copy_items(compiled.plan.items)
+    (stage,) = [s for s in stages_in(items) if s.name.endswith("/" + suffix)]
+    assert stage.barrier is not None
+    stage.barrier = None
+    staged = compiled.plan.with_items(items)
+    module = llvm.CpuModule(staged, llvm.build(llvm.staged_function(staged, compiled.grid)), compiled.grid)
+    return CpuModel(compiled.graph, dataclasses.replace(compiled.passes, ir=module))
+
+
 def test_removing_a_needed_barrier_gives_wrong_results():
     """The CPU run is faithful enough to catch a missing barrier: blocks run in order, so a
     stage reading a later block's tile reads memory that tile has not written yet."""
     graph = _mlp()
-    staged = _staged(graph)
+    compiled = souffle.compile(graph, target="llvm-persistent", threads=32)
     inputs = {"x": _rand(4, 16)}
     w, bias, v = (graph.weights[k] for k in ("w", "b", "v"))
     expected = np.maximum(inputs["x"] @ w.T + bias, 0) @ v.T
-
-    def run(program):
-        model = souffle.compiler.CompiledModel(graph, "llvm-persistent", None, program,
-                                               llvm.build(llvm.staged_function(program, program.max_tiles)), {})
-        return run_poisoned(model, inputs)[0]
-
-    np.testing.assert_allclose(run(staged), expected, rtol=1e-5, atol=1e-5)
-    _by_name(staged)["y"].barrier = None
-    assert np.isnan(run(staged)).any()
+    np.testing.assert_allclose(run_poisoned(compiled, inputs)[0], expected, rtol=1e-5, atol=1e-5)
+    assert np.isnan(run_poisoned(_without_barrier_before(compiled, "y"), inputs)[0]).any()
 
 
 def test_table_lists_stages_and_barrier_reasons():

@@ -5,6 +5,7 @@ import pytest
 from model_checks import run_poisoned
 
 import souffle
+from analysis.device import local_cpu
 from codegen.schedule_cpu import schedule_cpu
 from codegen.stitch import stitch
 from souffle.errors import GraphError
@@ -45,11 +46,12 @@ def test_one_function_with_stacked_weights_and_arena():
     body_graph = body.build(body.op("relu", body.op("dense", h, body.param("w", (4, 4))), name="h2"))
     (final,), _ = b.scan(body_graph, 3, name="layers", carry=[("h", "h2", x)], params={"w": ws})
     graph = b.build(b.op("relu", final, name="out"))
-    stitched = stitch(lower_graph(graph), schedule_cpu)
+    program = lower_graph(graph)
+    stitched = stitch(program, lambda func: schedule_cpu(func, local_cpu()))
     assert [s.name for s, _ in stitched.weights] == ["layers/w"]
     assert stitched.weights[0][1].shape == (3, 4, 4)
     np.testing.assert_array_equal(stitched.weights[0][1][1], graph.weights["layer.1.w"])
-    assert stitched.loop_count == 1 and stitched.region_count == 2
+    assert program.loop_count() == 1 and program.region_count() == 2
     assert stitched.arena_sizes == {"float32": 8}  # two ping-pong carry slots of 4 floats
     assert len(stitched.func.params) == 1 + 1 + 1 + 1  # input, stacked weight, output, arena
 

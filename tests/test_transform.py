@@ -1,19 +1,15 @@
-"""The transformations of codegen.transform against hand-built TE programs and PyTorch."""
+"""The transformations (``codegen.vertical``) against hand-built TE programs, and the persistent
+pipelines' opt levels (``codegen.pipelines``) against PyTorch."""
 
 import numpy as np
 import pytest
 from tvm import te, tirx
 
 import souffle
+from codegen.pipelines import CUDA, OPT_LEVELS
 from codegen.traffic import memory_traffic
-from codegen.transform import (
-    OPT_LEVELS,
-    check_level,
-    inlinable,
-    optimize,
-    selects_elements,
-    vertical,
-)
+from codegen.vertical import inlinable, selects_elements, vertical
+from souffle.compiler import run_passes
 from souffle import models
 from souffle.errors import SouffleError
 from souffle.graph import GraphBuilder
@@ -76,21 +72,27 @@ def test_only_element_selections_are_inlined_into_a_reduction():
 
 
 def test_opt_levels_are_checked():
-    assert [check_level(level) for level in OPT_LEVELS] == [0, 1, 2, 3, 4]
+    assert [CUDA.check_level(level) for level in OPT_LEVELS] == [0, 1, 2, 3, 4]
+    assert CUDA.check_level(None) == 4
     for bad in (5, -1, "4", True, 2.0):
         with pytest.raises(SouffleError, match="opt level must be one of 0, 1, 2, 3, 4"):
-            check_level(bad)
+            CUDA.check_level(bad)
 
 
-def test_optimize_reports_what_each_level_did():
+def test_each_level_reports_what_its_transformations_did():
     graph = models.structure("bert", "tiny")
-    assert optimize(graph, 0).log == []
-    one = optimize(graph, 1).log
-    assert one == [("horizontal: bert/encoder: fused dense attention.self.query, attention.self.key, "
-                    "attention.self.value (3 x [32, 32]) reading hidden_states -> one dense [96, 32]")]
-    two = optimize(graph, 2)
-    assert two.log[:1] == one and two.log[1].startswith("vertical: ")
-    assert two.program.te_count() < optimize(graph, 1).program.te_count()
+
+    def transforms(level):
+        run = run_passes(graph, "cuda", stop="vertical", opt_level=level)
+        return run, run.notes("transform", prefixed=True)
+
+    assert transforms(0)[1] == []
+    one, one_notes = transforms(1)
+    assert one_notes == [("horizontal: bert/encoder: fused dense attention.self.query, attention.self.key, "
+                          "attention.self.value (3 x [32, 32]) reading hidden_states -> one dense [96, 32]")]
+    two, two_notes = transforms(2)
+    assert two_notes[:1] == one_notes and two_notes[1].startswith("vertical: ")
+    assert two.irs["te"].te_count() < one.irs["te"].te_count()
 
 
 @pytest.mark.parametrize("name", models.MODELS)

@@ -1,7 +1,8 @@
 """A check bundle: a kernel artifact with seeded inputs and PyTorch's outputs for them, as files.
 
-Exported where TVM and torch are installed, loaded and compared on a GPU machine with only
-numpy and cuda-python — by benchmarks/gpu_kernels.py and tests/test_gpu.py alike.
+Exported where TVM and torch are installed (``souffle.compiler.export_check``), loaded and
+compared on a GPU machine with only numpy and cuda-python — by benchmarks/gpu_kernels.py and
+tests/test_gpu.py alike.
 """
 
 from __future__ import annotations
@@ -13,23 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from souffle.runtime.artifact import KernelArtifact
-
-
-def export(name: str, config: str, directory, archs: tuple[str, ...] = ("sm_80",), opt_level: int | None = None):
-    """Compile model ``name`` for cuda (at ``opt_level``, by default the compiler's) and write its
-    bundle to ``directory``; returns the compiled model."""
-    import souffle
-    from souffle import models
-
-    graph = models.build(name, config)
-    model = souffle.compile(graph, target="cuda", opt_level=opt_level)
-    target = model.artifact(config=config, seed=0, archs=archs).save(directory)
-    inputs = models.make_inputs(name, config, seed=1)
-    np.savez(target / "inputs.npz", **inputs)
-    np.savez(target / "expected.npz", *models.reference(name, config, graph.weights)(inputs))
-    rtol, atol = models.tolerance(name, config)
-    (target / "check.json").write_text(json.dumps({"rtol": rtol, "atol": atol, "report": str(model.report())}))
-    return model
 
 
 @dataclass

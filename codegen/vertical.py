@@ -1,82 +1,28 @@
-"""Semantic-preserving transformations of the global program, and the ablation levels.
+"""The ``vertical`` transformation (from O2): one-relies-on-one TEs inlined into their consumers.
 
-Each transformation is a pure function that returns a new program and says what it did:
-
-- ``horizontal`` (``codegen.horizontal``): independent GEMMs with the same shape reading the
-  same activation become one, their weights concatenated at compile time;
-- ``wavefront`` (``codegen.wavefront``): the stacked LSTM's cells run by wavefront (cell
-  (l, t) in step l + t), all layers of a step batched into one cell;
-- ``vertical`` (here): one-relies-on-one TEs are inlined into their consumers, so reshapes,
-  transposes, bias adds and activations are never materialized.
-
-The first two rewrite the graph (they create concatenated weights and a new scan, which live
-there) before it is lowered; ``vertical`` rewrites the TE program. ``optimize`` applies what
-an opt level asks for; the staging of the persistent kernel (``codegen.staging``) adds the
-levels' barrier and kernel decisions.
+A TE that computes each element from the elements at fixed places of its inputs (a reshape, a
+transpose, a bias add, an activation) is recomputed inside each consumer instead of being
+stored, so it is never materialized: fewer stages, fewer barriers, less memory traffic.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import tvm
 from tvm import te
 
 from analysis.affine import Rewriter, recompute
 from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD, is_call_to
-from souffle.errors import SouffleError
-from souffle.graph import Graph
-from souffle.lower import LoopRegion, Region, TEProgram, lower_graph
-
-OPT_LEVELS = (0, 1, 2, 3, 4)
-DEFAULT_OPT_LEVEL = 4
-LEVEL_NAMES = {
-    0: "one kernel per TE",
-    1: "+ horizontal (and the LSTM wavefront)",
-    2: "+ vertical (one-relies-on-one TEs inlined)",
-    3: "+ global sync (one kernel per subprogram, a grid barrier between stages)",
-    4: "+ post-optimizations (barriers only where data crosses blocks)",
-}
+from souffle.lower import LoopRegion, Region, TEProgram
+from souffle.passes import Outcome
 
 
-@dataclass
-class Optimized:
-    """The program an opt level produced, and what each transformation did."""
-
-    level: int
-    program: TEProgram
-    log: list[str] = field(default_factory=list)
+def inline_one_relies_on_one(program: TEProgram) -> Outcome:
+    """``vertical``, saying how many TEs it inlined."""
+    inlined = vertical(program)
+    return Outcome(inlined, [f"{program.te_count() - inlined.te_count()} one-relies-on-one TEs inlined, "
+                             f"{inlined.te_count()} TEs left"])
 
 
-def check_level(level) -> int:
-    if not isinstance(level, int) or isinstance(level, bool) or level not in OPT_LEVELS:
-        raise SouffleError(f"opt level must be one of {', '.join(map(str, OPT_LEVELS))}, got {level!r}")
-    return level
-
-
-def optimize(graph: Graph, level: int = DEFAULT_OPT_LEVEL) -> Optimized:
-    """Lower ``graph`` with the transformations of ``level``: from O1 the graph rewrites
-    (wavefront, horizontal), from O2 vertical inlining of the lowered program."""
-    from codegen.horizontal import horizontal
-    from codegen.wavefront import wavefront
-
-    check_level(level)
-    log: list[str] = []
-    if level >= 1:
-        graph, done = wavefront(graph)
-        log += [f"wavefront: {line}" for line in done]
-        graph, done = horizontal(graph)
-        log += [f"horizontal: {line}" for line in done]
-    program = lower_graph(graph)
-    if level >= 2:
-        before = program.te_count()
-        program = vertical(program)
-        log.append(f"vertical: {before - program.te_count()} one-relies-on-one TEs inlined, "
-                   f"{program.te_count()} TEs left")
-    return Optimized(level, program, log)
-
-
-# -- vertical: inlining one-relies-on-one TEs ---------------------------------------------------
 def inlinable(stage: te.Tensor, consumers: list[te.Tensor]) -> bool:
     """Whether ``stage`` can be recomputed inside each consumer instead of being stored.
 

@@ -1,4 +1,4 @@
-"""Resource-aware partitioning: the staged program as one kernel, split only where the device
+"""The ``partition`` pass (from O3): the staged program as one kernel, split only where the device
 makes one kernel cost more than several.
 
 A persistent kernel holds every stage's resources at once: ptxas allocates registers for the
@@ -44,11 +44,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from analysis.characterize import stage_cost
-from analysis.device import DeviceModel
-from codegen.cuda import Occupancy, co_resident_grid
-from codegen.staging import Loop, Stage, StagedProgram
+from analysis.device import DeviceModel, Occupancy, co_resident_grid
+from codegen.staged import Loop, Stage, StagedProgram, copy_items
 from codegen.traffic import memory_traffic
-from souffle.errors import TargetError
+from souffle.errors import GraphError, TargetError
+from souffle.passes import Outcome
 
 # Registers per thread of each schedule template, from ptxas (nvcc 13.0) on one-stage kernels
 # built by this repository's pipeline, sm_90 and sm_80: elementwise (relu, gelu, add over
@@ -273,3 +273,22 @@ def partition(staged: StagedProgram, device: DeviceModel,
               for before, after, (a, b), (_, c) in zip(groups, groups[1:], bounds, bounds[1:])]
     return Partition([[it.item for it in group] for group in groups], splits,
                      [_occupancy(group, device, staged.threads) for group in groups])
+
+
+def split_kernels(staged: StagedProgram, splits: list[Split]) -> StagedProgram:
+    """``staged`` with a new kernel starting at each top-level item a split names, with its reason."""
+    items = copy_items(staged.items)
+    by_name = {split.before: split.reason for split in splits}
+    for item in items:
+        if item.name in by_name:
+            item.launch, item.barrier = by_name.pop(item.name), None
+    if by_name:
+        raise GraphError(f"{staged.name}: the partition splits before {sorted(by_name)}, which are not top-level items")
+    return staged.with_items(items)
+
+
+def partition_kernels(staged: StagedProgram, device: DeviceModel) -> Outcome:
+    """``staged`` split into the kernels ``partition`` chooses on ``device``, the partition
+    (with each split's reason) as its note."""
+    chosen = partition(staged, device)
+    return Outcome(split_kernels(staged, chosen.splits), [str(chosen)])

@@ -1,0 +1,99 @@
+"""The ``keep_weights_on_chip`` pass (O4): weights a loop reads, loaded into shared memory once.
+
+A stage inside a loop (the LSTM's gate product, run once per step) reads the same weight at
+every iteration. Where each of its tiles reads its own contiguous slice of the weight, every
+block loads its tiles' slices into its shared memory once, before the loop, and the stage reads
+them from there: across the loop the weight is read from DRAM once instead of once per trip.
+"""
+
+from __future__ import annotations
+
+import islpy as isl
+import numpy as np
+
+from codegen.staged import Loop, OnChip, Stage, StagedProgram, copy_items, flat_index, loops_in, stages_in, tiles_of
+from souffle.passes import Outcome
+
+
+def tile_slice(stage: Stage, read: int) -> int | None:
+    """Elements per tile when tile t of ``stage`` reads exactly the contiguous run
+    ``[t * n, (t + 1) * n)`` of its ``read``-th input (a GEMV's weight rows); else None."""
+    holder = stage.placeholders[read]
+    relation, exact = stage.read_relation(holder)
+    if not exact:
+        return None
+    tiles = tiles_of(relation.get_tuple_name(isl.dim_type.in_), stage.tensor.shape, stage.schedule.per_tile, "T")
+    names = [f"o{k}" for k in range(len(holder.shape))]
+    flat = isl.Map(f"{{ {relation.get_tuple_name(isl.dim_type.out)}[{', '.join(names)}] -> F[f] : "
+                   f"f = {flat_index(names, holder.shape)} }}")
+    footprint = tiles.reverse().apply_range(relation).apply_range(flat)
+    first = footprint.intersect_domain(isl.Set("{ T[0] }")).range()
+    n = int(first.count_val().to_python()) if first.is_bounded() else 0
+    if n == 0:
+        return None
+    size = int(np.prod([int(d) for d in holder.shape]))
+    expected = isl.Map(f"{{ T[t] -> F[f] : 0 <= t < {stage.schedule.n_tiles} and t * {n} <= f < (t + 1) * {n} "
+                       f"and f < {size} }}")
+    return n if footprint.is_equal(expected) else None
+
+
+def keep_weights_on_chip(staged: StagedProgram, device) -> Outcome:
+    """``staged`` with the weight slices its loops' stages read loaded into each block's shared
+    memory before the loop, where every tile reads its own contiguous slice and the device's
+    shared memory per block holds them at the smallest grid the kernel may run with (one block
+    per SM, or one per tile when there are fewer tiles); one note per weight, kept or not.
+    Loops that launch kernels from the host are left alone."""
+    items = copy_items(staged.items)
+    placing = _Placement(staged, device)
+    for kernel in _kernels(items):
+        min_grid = min(device.sms, max(s.schedule.n_tiles for s in stages_in(kernel)))
+        for loop in [item for item in loops_in(kernel) if not item.on_host]:
+            placing.loop(loop, min_grid)
+    return Outcome(staged.with_items(items), placing.notes)
+
+
+def _kernels(items: list) -> list[list]:
+    """The top-level items grouped by the kernel they run in."""
+    kernels: list[list] = []
+    for item in items:
+        if item.launch is not None or not kernels:
+            kernels.append([])
+        kernels[-1].append(item)
+    return kernels
+
+
+class _Placement:
+    """The shared memory per block left, where each dtype's next copy starts, and the notes."""
+
+    def __init__(self, staged: StagedProgram, device):
+        self.weights = set(staged.weight_buffers)
+        self.device = device
+        self.budget = device.smem_per_block - max(s.schedule.shared_bytes for s in staged.stages())
+        self.used: dict[str, int] = {}  # dtype -> elements of on-chip memory taken
+        self.notes: list[str] = []
+
+    def loop(self, loop: Loop, min_grid: int):
+        for stage in stages_in(loop.items):
+            for k, ref in enumerate(stage.reads):
+                if ref.base not in self.weights or not isinstance(ref.offset, int) or k in stage.on_chip:
+                    continue
+                per_tile = tile_slice(stage, k)
+                if per_tile is None:
+                    continue
+                slots = -(-stage.schedule.n_tiles // min_grid)
+                load = OnChip(stage.name, ref, stage.schedule.n_tiles, per_tile, slots, min_grid,
+                              self.used.get(ref.spec.dtype, 0))
+                where = f"{ref.spec.name} (read by {stage.name} in loop {loop.name})"
+                if load.bytes > self.budget:
+                    self.notes.append(
+                        f"{where} stays in global memory: {slots} tiles per block x "
+                        f"{per_tile * np.dtype(ref.spec.dtype).itemsize} B = {load.bytes} B > {self.budget} B of "
+                        f"shared memory left per block on {self.device.name}")
+                    continue
+                self.budget -= load.bytes
+                self.used[load.dtype] = load.offset + load.elements
+                stage.on_chip[k] = load
+                loop.loads.append(load)
+                self.notes.append(
+                    f"{where} on chip: {slots} tiles per block x {per_tile} elements, {load.bytes} B of shared "
+                    f"memory per block at {min_grid} blocks or more, loaded once per inference")

@@ -1,0 +1,103 @@
+"""The compiler's pipelines: one declared, ordered list of passes per target.
+
+``souffle.compile`` applies the target's pipeline with one runner (``souffle.passes``), which
+times every pass, collects what each did, and dumps or prints the IR after any of them.
+
+- ``llvm``: the fast CPU path, one function for the whole model with the CPU's own schedules.
+- ``cuda``: the persistent kernel. The opt levels are the paper's ablation, each adding passes
+  to the one below: O0 one kernel per TE; O1 + horizontal fusion and the LSTM wavefront; O2 +
+  vertical inlining; O3 + global sync (reductions fused with their epilogues, one kernel with a
+  grid barrier between stages, split only where the device forces it); O4 + post-optimizations
+  (barriers only where data crosses blocks, weights kept on chip across loops).
+- ``llvm-persistent``: the persistent kernel's very stages, tiles, barriers and scratch layout
+  run on the CPU, block after block, to check that program anywhere.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from codegen.arena import plan_arena
+from codegen.barriers import place_barriers
+from codegen.cpu_transforms import hoist_scan_projections, pack_weights
+from codegen.cuda import CudaSource, check_co_residency, cuda_compile, cuda_source, kernel_plan
+from codegen.epilogues import fuse_epilogues
+from codegen.horizontal import horizontal
+from codegen.llvm import CpuModule, build, persistent_cpu_function
+from codegen.on_chip import keep_weights_on_chip
+from codegen.partition import partition_kernels
+from codegen.schedule import THREADS
+from codegen.schedule_cpu import schedule_cpu
+from codegen.stage import stage_program
+from codegen.stitch import stitch
+from codegen.sync import global_sync, kernel_per_stage
+from codegen.vertical import inline_one_relies_on_one
+from codegen.wavefront import wavefront
+from souffle.lower import lower_graph
+from souffle.passes import IRKind, Outcome, Pass, Pipeline
+
+GRAPH = IRKind("graph", "graph.txt")
+TE = IRKind("te", "te.txt")
+STAGED = IRKind("staged", "staged.txt")
+TIR = IRKind("tir", "tir.txt")
+CUDA_SOURCE = IRKind("cuda", "cu")
+PTXAS = IRKind("ptxas", "ptxas.txt")
+KERNELS = IRKind("kernels", "kernels.txt")
+LLVM_IR = IRKind("module", "ll")
+
+DEFAULT_OPT_LEVEL = 4
+OPT_LEVELS = {
+    0: "one kernel per TE",
+    1: "+ horizontal (and the LSTM wavefront)",
+    2: "+ vertical (one-relies-on-one TEs inlined)",
+    3: "+ global sync (one kernel per subprogram, a grid barrier between stages)",
+    4: "+ post-optimizations (barriers only where data crosses blocks)",
+}
+
+LLVM = Pipeline("llvm", GRAPH, (
+    Pass("hoist_scan_projections", lambda graph, _: hoist_scan_projections(graph), GRAPH),
+    Pass("pack_weights", lambda graph, _: pack_weights(graph), GRAPH),
+    Pass("lower", lambda graph, _: lower_graph(graph), TE),
+    Pass("stitch", lambda program, o: stitch(program, partial(schedule_cpu, device=o.device)), TIR),
+    Pass("build", lambda stitched, _: CpuModule(stitched, build(stitched.func)), LLVM_IR),
+))
+
+# The persistent kernel's passes up to its TE program, then after its stages are built.
+TRANSFORMS = (
+    Pass("wavefront", lambda graph, _: Outcome(*wavefront(graph)), GRAPH, from_level=1, section="transform"),
+    Pass("horizontal", lambda graph, _: Outcome(*horizontal(graph)), GRAPH, from_level=1, section="transform"),
+    Pass("lower", lambda graph, _: lower_graph(graph), TE),
+    Pass("vertical", lambda program, _: inline_one_relies_on_one(program), TE, from_level=2, section="transform"),
+)
+SYNCHRONIZATION = (
+    Pass("kernel_per_stage", lambda staged, _: kernel_per_stage(staged), STAGED),
+    Pass("global_sync", lambda staged, _: global_sync(staged), STAGED, from_level=3),
+    Pass("place_barriers", lambda staged, _: place_barriers(staged), STAGED, from_level=4),
+    Pass("partition", lambda staged, o: partition_kernels(staged, o.device), STAGED, from_level=3,
+         section="partition"),
+    Pass("keep_weights_on_chip", lambda staged, o: keep_weights_on_chip(staged, o.device), STAGED, from_level=4,
+         section="on chip"),
+    Pass("plan_arena", lambda staged, _: plan_arena(staged), STAGED),
+)
+
+CUDA = Pipeline("cuda", GRAPH, (
+    *TRANSFORMS,
+    Pass("fuse_epilogues", lambda program, o: fuse_epilogues(program, True, o.threads), TE, from_level=3),
+    Pass("stage", lambda program, o: stage_program(program, True, o.threads), STAGED),
+    *SYNCHRONIZATION,
+    Pass("kernel_plan", lambda staged, _: kernel_plan(staged), TIR),
+    Pass("cuda_source", lambda plan, o: CudaSource(plan, cuda_source(plan.funcs, o.device.arch)), CUDA_SOURCE),
+    Pass("nvcc", lambda source, o: cuda_compile(source, o.device.arch), PTXAS),
+    Pass("co_residency", lambda binary, o: check_co_residency(binary, o.device), KERNELS),
+), "h200", OPT_LEVELS, DEFAULT_OPT_LEVEL, THREADS)
+
+LLVM_PERSISTENT = Pipeline("llvm-persistent", GRAPH, (
+    *TRANSFORMS,
+    Pass("fuse_epilogues", lambda program, o: fuse_epilogues(program, False, o.threads), TE, from_level=3),
+    Pass("stage", lambda program, o: stage_program(program, False, o.threads), STAGED),
+    *SYNCHRONIZATION,
+    Pass("staged_function", lambda staged, _: persistent_cpu_function(staged), TIR),
+    Pass("build", lambda function, _: CpuModule(function.staged, build(function.func), function.grid), LLVM_IR),
+), "h200", OPT_LEVELS, DEFAULT_OPT_LEVEL, THREADS)
+
+PIPELINES = {pipeline.target: pipeline for pipeline in (LLVM, CUDA, LLVM_PERSISTENT)}

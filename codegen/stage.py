@@ -1,0 +1,127 @@
+"""The ``stage`` pass: the global TE program as the stages of one persistent kernel.
+
+Every TE becomes a stage (a reduction with a fused epilogue, marked by ``codegen.epilogues``,
+becomes one stage with its reader), plus the copies a scan's carries and outputs need; each
+scan becomes a ``Loop``. Each stage's TE is isolated over fresh placeholders and scheduled on
+its own (``codegen.schedule``), and every tensor gets its place in memory from the stitcher's
+placement (``codegen.stitch``): inputs, weights and outputs in their own buffers, the rest in
+slots that ``codegen.arena`` later lays out. Nothing synchronizes yet: ``codegen.sync`` and
+``codegen.barriers`` decide that.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from analysis.affine import recompute
+from codegen.schedule import THREADS, schedule_te
+from codegen.staged import Loop, Stage, StagedProgram
+from codegen.stitch import BufferRef, Stitcher
+from souffle.errors import GraphError
+from souffle.graph import TensorSpec
+from souffle.lower import Region, TEProgram
+from souffle.naming import UniqueNames, c_name
+
+
+class SlotArena:
+    """Hands every intermediate its own slot buffer; ``codegen.arena`` later places the slots."""
+
+    def __init__(self):
+        self.slots: dict = {}
+
+    def alloc(self, spec: TensorSpec, count: int = 1) -> BufferRef:
+        size = spec.size * count
+        slot = tirx.decl_buffer((size,), spec.dtype, name=f"slot{len(self.slots)}_{c_name(spec.name)}"[:60])
+        self.slots[slot] = (spec.dtype, size)
+        return BufferRef(slot, 0, spec)
+
+
+def isolate(tensor: te.Tensor) -> tuple[te.Tensor, list[te.Tensor]]:
+    """``tensor``'s TE over fresh placeholders, one per tensor it reads (in ``input_tensors``
+    order, returned with it), so that it compiles on its own as one stage."""
+    if len(tensor.op.body) != 1:
+        raise GraphError(f"{tensor.op.name}: TEs with {len(tensor.op.body)} outputs are not staged")
+    inputs = list(tensor.op.input_tensors)
+    holders = {t.op: te.placeholder(t.shape, t.dtype, name=f"{t.op.name}_in") for t in inputs}
+    staged = recompute(tensor, lambda t, idx, _: holders[t.op](*idx), f"staging {tensor.op.name}")
+    return staged, [holders[t.op] for t in inputs]
+
+
+def isolate_epilogue(producer: te.Tensor, consumer: te.Tensor) -> tuple[te.Tensor, list[te.Tensor], list[te.Tensor]]:
+    """``consumer`` and the reduction ``producer`` it alone reads, as one TE graph over fresh
+    placeholders: (the consumer, its placeholders, the tensors they stand for)."""
+    outside = list(dict.fromkeys([t for t in producer.op.input_tensors]
+                                 + [t for t in consumer.op.input_tensors if not t.op.same_as(producer.op)]))
+    holders = {t.op: te.placeholder(t.shape, t.dtype, name=f"{t.op.name}_in") for t in outside}
+    inner = recompute(producer, lambda t, idx, _: holders[t.op](*idx), f"staging {producer.op.name}")
+    staged = recompute(consumer, lambda t, idx, _: (inner if t.op.same_as(producer.op) else holders[t.op])(*idx),
+                       f"staging {consumer.op.name}")
+    return staged, [holders[t.op] for t in outside], outside
+
+
+class _Stager(Stitcher):
+    """The stitcher's memory placement, with regions and copies emitted as stages."""
+
+    def __init__(self, graph, gpu: bool, threads: int):
+        super().__init__(graph, None, SlotArena())
+        self.gpu = gpu
+        self.threads = threads
+        self.unique = UniqueNames()
+
+    def stage(self, name: str, tensor: te.Tensor, placeholders: list[te.Tensor], reads: list[BufferRef],
+              write: BufferRef, epilogue: str | None = None) -> Stage:
+        func, schedule = schedule_te(tensor, placeholders, self.gpu, self.threads, epilogue)
+        return Stage(self.unique(name), tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
+
+    def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
+        name_of = {t.op: n for n, t in region.tensors.items()}
+        placed: dict = {}
+        for name in region.inputs:
+            placed[region.tensors[name].op] = self.resolve(refs, name)
+        for name in region.outputs:
+            placed[region.tensors[name].op] = refs[name]
+        producers = {producer.op for producer, _ in region.epilogues.values()}
+        stages = []
+        for tensor in region.stages():
+            if tensor.op in producers:
+                continue
+            if tensor.op not in placed:
+                spec = TensorSpec(name_of.get(tensor.op, tensor.op.name), tuple(int(d) for d in tensor.shape),
+                                  str(tensor.dtype))
+                placed[tensor.op] = self.arena.alloc(spec)
+            label = f"{region.name}/{name_of.get(tensor.op, tensor.op.name)}"
+            if tensor.op in region.epilogues:
+                producer, mode = region.epilogues[tensor.op]
+                staged, placeholders, outside = isolate_epilogue(producer, tensor)
+                label = f"{region.name}/{name_of.get(producer.op, producer.op.name)}+{name_of.get(tensor.op, tensor.op.name)}"
+                stages.append(self.stage(label, staged, placeholders, [placed[t.op] for t in outside],
+                                         placed[tensor.op], mode))
+                continue
+            staged, placeholders = isolate(tensor)
+            reads = [placed[t.op] for t in tensor.op.input_tensors]
+            stages.append(self.stage(label, staged, placeholders, reads, placed[tensor.op]))
+        return stages
+
+    def copy(self, src: BufferRef, dst: BufferRef) -> Stage:
+        source = te.placeholder(src.spec.shape, src.spec.dtype, name=f"{c_name(src.spec.name)}_in")
+        copied = te.compute(src.spec.shape, lambda *i: source(*i), name=f"copy_{c_name(src.spec.name)}")
+        return self.stage(f"copy {src.spec.name} -> {dst.spec.name}", copied, [source], [src], dst)
+
+    def make_loop(self, var: tirx.Var, trips: int, body: list, name: str) -> Loop:
+        return Loop(name, var, trips, body)
+
+
+def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS) -> StagedProgram:
+    """The program as stages of one persistent kernel with blocks of ``threads`` threads, tiled
+    for the GPU (or, with the same tiles, for the CPU), nothing synchronized yet."""
+    stager = _Stager(program.graph, gpu, threads)
+    items, inputs, outputs = stager.whole(program)
+    weights, weight_buffers = stager.weights()
+    staged = StagedProgram(program.graph.name, items, inputs, weights, weight_buffers, outputs,
+                           program.graph.output_specs(), threads, slots=dict(stager.arena.slots),
+                           weight_recipes={spec.name: stager.weight_recipe(spec.name) for spec, _ in weights})
+    names = [b.name for b in staged.parameters()]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise GraphError(f"{program.graph.name}: tensors {clash} have the same C name; rename one")
+    return staged
