@@ -9,7 +9,7 @@ import pytest
 import souffle
 from codegen.wavefront import wavefront
 from souffle import models, recipe
-from souffle.graph import Graph, Scan
+from souffle.graph import Graph, GraphBuilder, Scan
 from souffle.models import lstm
 
 TINY = lstm.CONFIGS["tiny"]
@@ -234,12 +234,218 @@ def test_other_graphs_are_left_alone():
     assert wavefront(single) == (single, [])
 
 
+def _with_cells(graph, change):
+    """``graph`` with ``change(body)`` for the body of every innermost scan (its LSTM cells)."""
+    ops = []
+    for op in graph.ops:
+        if isinstance(op, Scan):
+            nested = any(isinstance(inner, Scan) for inner in op.body.ops)
+            op = replace(op, body=_with_cells(op.body, change) if nested else change(op.body))
+        ops.append(op)
+    return Graph(graph.name, graph.inputs, graph.params.values(), ops, graph.outputs, graph.weights, graph.recipes)
+
+
+def _tanh_as_sigmoid(cell):
+    ops = [replace(op, kind="sigmoid") if op.kind == "tanh" else op for op in cell.ops]
+    return Graph(cell.name, cell.inputs, cell.params.values(), ops, cell.outputs)
+
+
 def test_a_graph_that_differs_from_the_lstm_is_left_alone():
     graph = models.structure("lstm", "tiny")
-    layer0 = graph.ops[1]
-    cell = layer0.body
-    ops = [replace(op, kind="sigmoid") if op.kind == "tanh" else op for op in cell.ops]
-    other_cell = Graph(cell.name, cell.inputs, cell.params.values(), ops, cell.outputs)
-    other = Graph(graph.name, graph.inputs, graph.params.values(),
-                  [replace(layer0, body=other_cell) if op is layer0 else op for op in graph.ops], graph.outputs)
+    other = _with_cells(graph, _tanh_as_sigmoid)
     assert wavefront(other) == (other, [])
+
+
+def test_the_lstm_layers_after_a_different_first_layer_are_rewritten():
+    """Layer 0 computes something else, so the stack starts at layer 1 and reads layer 0's
+    sequence as its input; h_n and c_n read layer 0's final state and the stack's."""
+    weights = lstm.init_weights(TINY, seed=0)
+    graph = lstm.build_graph(TINY, weights)
+    layer0 = graph.ops[1]
+    other = Graph(graph.name, graph.inputs, graph.params.values(),
+                  [replace(layer0, body=_tanh_as_sigmoid(layer0.body)) if op is layer0 else op for op in graph.ops],
+                  graph.outputs, graph.weights)
+    transformed, report = wavefront(other)
+    layers, steps = TINY["num_layers"] - 1, TINY["steps"]
+    assert [scan.length for scan in _scans(transformed)] == [steps, steps + layers - 1]
+    assert report[0] == f"lstm: {layers} layers x {steps} steps -> one wavefront scan of {steps + layers - 1} steps, " \
+                        "cells of all layers batched per step"
+    assert {"weight_ih_l0", "bias_hh_l0"} <= set(transformed.params)
+    assert not {"weight_ih_l1", "bias_hh_l2"} & set(transformed.params)
+    _check_same_outputs(other, transformed, lstm.make_inputs(TINY, seed=1))
+
+
+def _check_same_outputs(graph, transformed, inputs, reference=None):
+    """``transformed`` computes what ``graph`` does (both compiled for the CPU, which applies no
+    wavefront itself), and what ``reference`` says, output by output."""
+    got = souffle.compile(transformed, target="llvm").run(inputs)
+    wanted = [souffle.compile(graph, target="llvm").run(inputs)]
+    if reference is not None:
+        wanted.append(reference(inputs))
+    for want in wanted:
+        for name, value, expected in zip(graph.outputs, got, want, strict=True):
+            np.testing.assert_allclose(value, expected, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+# -- a stacked LSTM as an importer writes it ---------------------------------------------------------
+# Four layers, each a time scan of its own with its own cell variant (how an importer such as
+# torch.export or ONNX spells torch's LSTM cell), chained by their sequences; a projection
+# before the stack and a classifier on the last layer's final h after it.
+IMPORTED = {"features": 6, "input_size": 10, "hidden_size": 8, "num_layers": 4, "steps": 5, "batch": 2,
+            "classes": 3}
+MUTANTS = ("gate_order", "tanh_for_sigmoid", "nonzero_state", "inner_sequence_read")
+
+
+def _imported_weights(seed: int) -> dict[str, np.ndarray]:
+    """Layer 0 has two biases, layers 1 and 2 one combined bias, layer 3 none."""
+    cfg = IMPORTED
+    rng = np.random.default_rng(seed)
+    hidden, gates = cfg["hidden_size"], 4 * cfg["hidden_size"]
+
+    def uniform(*shape):
+        return rng.uniform(-1 / np.sqrt(hidden), 1 / np.sqrt(hidden), shape).astype(np.float32)
+
+    weights = {"proj.weight": uniform(cfg["input_size"], cfg["features"]), "proj.bias": uniform(cfg["input_size"]),
+               "head.weight": uniform(cfg["classes"], hidden), "head.bias": uniform(cfg["classes"])}
+    for layer in range(cfg["num_layers"]):
+        inputs = cfg["input_size"] if layer == 0 else hidden
+        weights[f"rnn.{layer}.w_ih"] = uniform(gates, inputs)
+        weights[f"rnn.{layer}.w_hh"] = uniform(gates, hidden)
+    weights["rnn.0.b_ih"], weights["rnn.0.b_hh"] = uniform(gates), uniform(gates)
+    weights["rnn.1.bias"], weights["rnn.2.bias"] = uniform(gates), uniform(gates)
+    return weights
+
+
+def _imported_cell(layer: int, inputs: int, mutant: str | None) -> Graph:
+    """Layer ``layer``'s cell: h and c carried in either order, the gate product's biases as
+    separate adds, as dense's operand, as one add or absent, the gates cut by ``split`` or
+    ``slice`` in several spellings, the operands of the adds and muls in either order."""
+    batch, hidden = IMPORTED["batch"], IMPORTED["hidden_size"]
+    b = GraphBuilder(f"cell{layer}")
+    x = b.input("xt", (batch, inputs))
+    if layer % 2:
+        h, c = b.input("h_prev", (batch, hidden)), b.input("c_prev", (batch, hidden))
+    else:
+        c, h = b.input("c_prev", (batch, hidden)), b.input("h_prev", (batch, hidden))
+    gates = 4 * hidden
+    weight = b.param if layer == 2 else b.input  # layer 2's weights are bound as body parameters
+    w_ih, w_hh = weight("w_ih", (gates, inputs)), weight("w_hh", (gates, hidden))
+    if layer == 0:
+        b_ih, b_hh = b.input("b_ih", (gates,)), b.input("b_hh", (gates,))
+        z = b.op("add", b.op("add", b.op("dense", x, w_ih), b_ih), b.op("add", b.op("dense", h, w_hh), b_hh))
+        chunks = b.op("split", z, sections=4, axis=-1)
+    elif layer == 1:
+        z = b.op("add", b.op("dense", h, w_hh), b.op("dense", x, w_ih, b.input("bias", (gates,))))
+        chunks = [b.op("slice", z, begin=k * hidden, end=(k + 1) * hidden, axis=-1) for k in range(4)]
+    elif layer == 2:
+        z = b.op("add", weight("bias", (gates,)), b.op("add", b.op("dense", x, w_ih), b.op("dense", h, w_hh)))
+        chunks = [b.op("slice", z, begin=(0, k * hidden), end=(batch, (k + 1) * hidden)) for k in range(4)]
+    else:
+        z = b.op("add", b.op("dense", x, w_ih), b.op("dense", h, w_hh))
+        chunks = b.op("split", z, sizes=[hidden] * 4, axis=1)
+    i, f, g, o = chunks
+    if mutant == "gate_order":
+        g, o = o, g  # the tanh on the output gate's chunk
+    forget = b.op("tanh" if mutant == "tanh_for_sigmoid" else "sigmoid", f)
+    if layer % 2:
+        c_next = b.op("add", b.op("mul", b.op("sigmoid", i), b.op("tanh", g)), b.op("mul", c, forget), name="c_next")
+        h_next = b.op("mul", b.op("tanh", c_next), b.op("sigmoid", o), name="h_next")
+    else:
+        c_next = b.op("add", b.op("mul", forget, c), b.op("mul", b.op("sigmoid", i), b.op("tanh", g)), name="c_next")
+        h_next = b.op("mul", b.op("sigmoid", o), b.op("tanh", c_next), name="h_next")
+    return b.build(h_next, c_next)
+
+
+def _imported_graph(weights: dict[str, np.ndarray], mutant: str | None = None) -> Graph:
+    """Outputs: the classifier's logits, the last layer's sequence, h_n (every layer's final h
+    stacked) and layer 1's final c."""
+    cfg = IMPORTED
+    steps, batch, hidden = cfg["steps"], cfg["batch"], cfg["hidden_size"]
+    b = GraphBuilder("imported")
+    projection = [b.param(name, weights[name]) for name in ("proj.weight", "proj.bias")]
+    sequence = b.op("dense", b.input("input", (steps, batch, cfg["features"])), *projection, name="projected")
+    sequences, h_finals, c_finals = [], [], []
+    for layer in range(cfg["num_layers"]):
+        names = [name for name in weights if name.startswith(f"rnn.{layer}.")]
+        inner = ["w_ih", "w_hh", "b_ih", "b_hh"] if layer == 0 else ["w_ih", "w_hh", "bias"][:len(names)]
+        outer = [b.param(name, weights[name]) for name in names]
+        state = b.op("full", shape=(batch, hidden), value=0.5 if mutant == "nonzero_state" else 0.0,
+                     name=f"rnn.{layer}.state0")
+        carry = [("h_prev", "h_next", state), ("c_prev", "c_next", state)]
+        bound = {"params": {p: [o] * steps for p, o in zip(inner, outer)}} if layer == 2 else \
+            {"invariants": list(zip(inner, outer))}
+        (h, c), (sequence,) = b.scan(
+            _imported_cell(layer, cfg["input_size"] if layer == 0 else hidden, mutant), steps,
+            name=f"rnn.{layer}", carry=carry[::-1] if layer % 2 == 0 else carry, xs=[("xt", sequence)],
+            ys=["h_next"], **bound)
+        if layer % 2 == 0:
+            h, c = c, h
+        sequences.append(sequence)
+        h_finals.append(h)
+        c_finals.append(c)
+    head = [b.param(name, weights[name]) for name in ("head.weight", "head.bias")]
+    logits = b.op("dense", h_finals[-1], *head, name="logits")
+    h_n = b.op("concat", *[b.op("reshape", h, shape=(1, batch, hidden)) for h in h_finals], axis=0, name="h_n")
+    outputs = [logits, sequences[-1], h_n, c_finals[1]]
+    if mutant == "inner_sequence_read":
+        outputs.append(sequences[1])
+    return b.build(*outputs)
+
+
+def _imported_reference(weights: dict[str, np.ndarray]):
+    """The same model in PyTorch: nn.Linear, nn.LSTM (a combined bias as its b_ih, b_hh zero),
+    nn.Linear on h_n[-1]."""
+    import torch
+
+    cfg = IMPORTED
+    layers, hidden = cfg["num_layers"], cfg["hidden_size"]
+    rnn = torch.nn.LSTM(cfg["input_size"], hidden, layers)
+    state = {}
+    for layer in range(layers):
+        zeros = np.zeros(4 * hidden, np.float32)
+        biases = {0: ("rnn.0.b_ih", "rnn.0.b_hh"), 1: ("rnn.1.bias", None), 2: ("rnn.2.bias", None)}.get(layer, (None,) * 2)
+        state[f"weight_ih_l{layer}"] = weights[f"rnn.{layer}.w_ih"]
+        state[f"weight_hh_l{layer}"] = weights[f"rnn.{layer}.w_hh"]
+        state[f"bias_ih_l{layer}"], state[f"bias_hh_l{layer}"] = (zeros if b is None else weights[b] for b in biases)
+    rnn.load_state_dict({name: torch.from_numpy(array) for name, array in state.items()})
+    tensor = {name: torch.from_numpy(array) for name, array in weights.items()}
+
+    def run(inputs):
+        with torch.no_grad():
+            x = torch.nn.functional.linear(torch.from_numpy(inputs["input"]), tensor["proj.weight"], tensor["proj.bias"])
+            output, (h_n, c_n) = rnn(x)
+            logits = torch.nn.functional.linear(h_n[-1], tensor["head.weight"], tensor["head.bias"])
+        return [logits.numpy(), output.numpy(), h_n.numpy(), c_n[1].numpy()]
+
+    return run
+
+
+def test_an_imported_stacked_lstm_inside_a_larger_graph_becomes_one_wavefront_scan():
+    weights = _imported_weights(seed=0)
+    graph = _imported_graph(weights)
+    before = str(graph)
+    transformed, report = wavefront(graph)
+    assert str(graph) == before
+    layers, steps = IMPORTED["num_layers"], IMPORTED["steps"]
+    assert [scan.length for scan in _scans(transformed)] == [steps + layers - 1]
+    assert report[0] == (f"imported: {layers} layers x {steps} steps -> one wavefront scan of {steps + layers - 1} "
+                         "steps, cells of all layers batched per step")
+    assert report[1].startswith(f"imported: {2 * layers + 4} per-layer weights -> wavefront.weight ")
+    assert (transformed.inputs, transformed.output_specs()) == (graph.inputs, graph.output_specs())
+    assert [op.kind for op in transformed.ops if op.kind == "dense"] == ["dense", "dense"]  # projection, classifier
+    assert {"proj.weight", "proj.bias", "head.weight", "head.bias"} <= set(transformed.params)
+    assert not any(name.startswith("rnn.") for name in transformed.params)
+    assert not any(op.kind == "full" and op.outputs[0].startswith("rnn.") for op in transformed.ops)
+    for name in set(transformed.params) - set(graph.params):
+        np.testing.assert_array_equal(recipe.evaluate(transformed.recipe(name), weights), transformed.weights[name])
+    inputs = {"input": np.random.default_rng(1).standard_normal((steps, IMPORTED["batch"], IMPORTED["features"]))
+              .astype(np.float32)}
+    _check_same_outputs(graph, transformed, inputs, _imported_reference(weights))
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_an_imported_graph_that_is_no_stacked_lstm_is_left_alone(mutant):
+    """Each mutant changes every layer (or, for the inner sequence, reads what the wavefront
+    cannot give back); the unchanged graph is the proof that the recognizer refused it."""
+    graph = _imported_graph(_imported_weights(seed=0), mutant)
+    assert wavefront(graph) == (graph, [])
