@@ -66,7 +66,7 @@ def wavefront(graph: Graph) -> tuple[Graph, list[str]]:
     keeps its input and output names and dtypes, and has weights iff it had.
     """
     report: list[str] = []
-    while True:
+    while True:  # one stack at a time: each rewrite changes the graph the next one is found in
         done = next(filter(None, (_rewrite(graph, chain) for chain in _chains(graph))), None)
         if done is None:
             return graph, report
@@ -94,6 +94,7 @@ def _lstm_layer(scan: Scan) -> _Layer | None:
         return None
     body = scan.body
     ((x_t, sequence),), ((h_next, outputs),) = scan.xs, scan.ys
+    # the h carry (the one whose new value is the per-step output) first
     (h, h_out, h0, h_final), (c, c_next, c0, c_final) = sorted(scan.carry, key=lambda carry: carry[1] != h_next)
     shape = body.tensors[h].shape
     if h_out != h_next or len(shape) != 2 or body.tensors[c].shape != shape or body.tensors[h].dtype != "float32":
@@ -118,8 +119,9 @@ def _lstm_layer(scan: Scan) -> _Layer | None:
 def _unify(body: Graph, name: str, pattern, bound: dict[str, str]) -> dict[str, str] | None:
     """``bound`` extended so that tensor ``name`` of ``body`` is ``pattern`` (``NEW_C``), or None.
 
-    The first order of a commuted operand pair that matches is taken: in the cell's patterns
-    the two operands of each pair are different ops, so at most one order can match."""
+    Commuted operands are tried in both orders and the first full match is kept: no pair in
+    the cell's patterns can match both ways (its two sides need different ops), so a match
+    that fails later could not have succeeded with the other order either."""
     if isinstance(pattern, str):
         if pattern in bound:
             return bound if bound[pattern] == name else None
@@ -140,14 +142,15 @@ def _unify(body: Graph, name: str, pattern, bound: dict[str, str]) -> dict[str, 
 
 
 def _chunk(body: Graph, name: str, hidden: int) -> tuple[str, int] | None:
-    """(G, k) if tensor ``name`` is the k-th ``hidden``-wide chunk of G's last axis: one of a
-    ``split``'s equal pieces, or a ``slice`` of those columns; None otherwise. Only the last
-    axis can differ between G and the chunk, so only its bounds need reading."""
+    """(G, k) if tensor ``name`` is the k-th ``hidden``-wide chunk of the last axis of a
+    [..., 4H] tensor G: one of a ``split``'s equal pieces, or a ``slice`` of those columns;
+    None otherwise. Only the last axis differs between G and the chunk, so only its bounds
+    need reading."""
     op = body.producer.get(name)
     if not isinstance(op, Op) or op.kind not in ("slice", "split"):
         return None
     source = body.tensors[op.inputs[0]].shape
-    if body.tensors[name].shape != source[:-1] + (hidden,):
+    if source[-1] != GATES * hidden or body.tensors[name].shape != source[:-1] + (hidden,):
         return None
     if op.kind == "split":
         if any(body.tensors[piece].shape != body.tensors[name].shape for piece in op.outputs):
@@ -223,9 +226,9 @@ class _Group:
 def _group(graph: Graph, op: Op | Scan) -> _Group | None:
     """``op`` as layers of a stacked LSTM, or None: a layer's time scan, or a scan over layers
     (``souffle.models.lstm``) that carries the sequence from layer to layer through one time
-    scan, binds each iteration's weights as body parameters, and may stack the layers' final
-    h and c. Each layer starts from zeros; its weights must be model parameters, known at
-    compile time, so they can be stacked."""
+    scan, binds each iteration's weights (as body parameters, or invariants all layers share)
+    and may stack the layers' final h and c. Each layer starts from zeros; its weights must be
+    model parameters, known at compile time, so they can be stacked."""
     if not isinstance(op, Scan):
         return None
     layer = _lstm_layer(op)
@@ -364,13 +367,7 @@ def _rewrite(graph: Graph, chain: list[_Group]) -> tuple[Graph, list[str]] | Non
     used = {name for op in ops for name in op.inputs} | set(graph.outputs)
     lstm = {name for weights in layer_weights for name in weights}
     kept = [spec for spec in graph.params.values() if spec.name in used or spec.name not in lstm]
-    made = _stacked_recipes(size, layer_weights)  # in terms of the graph's parameters
-    weights = None
-    if graph.weights is not None:
-        weights = {spec.name: graph.weights[spec.name] for spec in kept}
-        weights.update({spec.name: recipe.evaluate(r, graph.weights) for spec, r in zip(stacked, made)})
-    recipes = {spec.name: graph.recipes[spec.name] for spec in kept if spec.name in graph.recipes}
-    recipes.update({spec.name: _compose(r, graph.recipe) for spec, r in zip(stacked, made)})
+    weights, recipes = _weights(graph, kept, stacked, _stacked_recipes(size, layer_weights))
     rewritten = Graph(graph.name, graph.inputs, kept + stacked, ops, graph.outputs, weights, recipes)
 
     scan = f"one wavefront scan of {steps + size.layers - 1} steps, cells of all layers batched per step"
@@ -380,6 +377,19 @@ def _rewrite(graph: Graph, chain: list[_Group]) -> tuple[Graph, list[str]] | Non
         f"{graph.name}: {len(lstm)} per-layer weights -> {weight_shapes} (W_ih and W_hh side by side for one gate product, gates of each hidden unit adjacent)",
     ]
     return rewritten, report
+
+
+def _weights(graph: Graph, kept: list[TensorSpec], stacked: list[TensorSpec], made: list[list]):
+    """(weight arrays or None, recipes) of the rewritten graph: the kept parameters' own, and the
+    stacked ones' evaluated from ``graph``'s arrays by ``made`` (recipes in terms of ``graph``'s
+    parameters) and composed with ``graph``'s recipes, so they start from the model's weights."""
+    weights = None
+    if graph.weights is not None:
+        weights = {spec.name: graph.weights[spec.name] for spec in kept}
+        weights.update({spec.name: recipe.evaluate(r, graph.weights) for spec, r in zip(stacked, made)})
+    recipes = {spec.name: graph.recipes[spec.name] for spec in kept if spec.name in graph.recipes}
+    recipes.update({spec.name: _compose(r, graph.recipe) for spec, r in zip(stacked, made)})
+    return weights, recipes
 
 
 def _live(ops: list[Op | Scan], outputs: tuple[str, ...]) -> list[Op | Scan]:

@@ -316,7 +316,7 @@ def _imported_weights(seed: int) -> dict[str, np.ndarray]:
     return weights
 
 
-def _imported_cell(layer: int, inputs: int, mutant: str | None) -> Graph:
+def _imported_cell(layer: int, inputs: int, change: str | None) -> Graph:
     """Layer ``layer``'s cell: h and c carried in either order, the gate product's biases as
     separate adds, as dense's operand, as one add or absent, the gates cut by ``split`` or
     ``slice`` in several spellings, the operands of the adds and muls in either order."""
@@ -344,9 +344,9 @@ def _imported_cell(layer: int, inputs: int, mutant: str | None) -> Graph:
         z = b.op("add", b.op("dense", x, w_ih), b.op("dense", h, w_hh))
         chunks = b.op("split", z, sizes=[hidden] * 4, axis=1)
     i, f, g, o = chunks
-    if mutant == "gate_order":
+    if change == "gate_order":
         g, o = o, g  # the tanh on the output gate's chunk
-    forget = b.op("tanh" if mutant == "tanh_for_sigmoid" else "sigmoid", f)
+    forget = b.op("tanh" if change == "tanh_for_sigmoid" else "sigmoid", f)
     if layer % 2:
         c_next = b.op("add", b.op("mul", b.op("sigmoid", i), b.op("tanh", g)), b.op("mul", c, forget), name="c_next")
         h_next = b.op("mul", b.op("tanh", c_next), b.op("sigmoid", o), name="h_next")
@@ -356,9 +356,10 @@ def _imported_cell(layer: int, inputs: int, mutant: str | None) -> Graph:
     return b.build(h_next, c_next)
 
 
-def _imported_graph(weights: dict[str, np.ndarray], mutant: str | None = None) -> Graph:
+def _imported_graph(weights: dict[str, np.ndarray], change: str | None = None) -> Graph:
     """Outputs: the classifier's logits, the last layer's sequence, h_n (every layer's final h
-    stacked) and layer 1's final c."""
+    stacked) and layer 1's final c. ``change``: one of ``MUTANTS``, or "two_stacks" (a relu on
+    layer 1's sequence before layer 2, so layers 0-1 and 2-3 are two stacks)."""
     cfg = IMPORTED
     steps, batch, hidden = cfg["steps"], cfg["batch"], cfg["hidden_size"]
     b = GraphBuilder("imported")
@@ -369,13 +370,15 @@ def _imported_graph(weights: dict[str, np.ndarray], mutant: str | None = None) -
         names = [name for name in weights if name.startswith(f"rnn.{layer}.")]
         inner = ["w_ih", "w_hh", "b_ih", "b_hh"] if layer == 0 else ["w_ih", "w_hh", "bias"][:len(names)]
         outer = [b.param(name, weights[name]) for name in names]
-        state = b.op("full", shape=(batch, hidden), value=0.5 if mutant == "nonzero_state" else 0.0,
+        state = b.op("full", shape=(batch, hidden), value=0.5 if change == "nonzero_state" else 0.0,
                      name=f"rnn.{layer}.state0")
         carry = [("h_prev", "h_next", state), ("c_prev", "c_next", state)]
+        if change == "two_stacks" and layer == 2:
+            sequence = b.op("relu", sequence)
         bound = {"params": {p: [o] * steps for p, o in zip(inner, outer)}} if layer == 2 else \
             {"invariants": list(zip(inner, outer))}
         (h, c), (sequence,) = b.scan(
-            _imported_cell(layer, cfg["input_size"] if layer == 0 else hidden, mutant), steps,
+            _imported_cell(layer, cfg["input_size"] if layer == 0 else hidden, change), steps,
             name=f"rnn.{layer}", carry=carry[::-1] if layer % 2 == 0 else carry, xs=[("xt", sequence)],
             ys=["h_next"], **bound)
         if layer % 2 == 0:
@@ -387,7 +390,7 @@ def _imported_graph(weights: dict[str, np.ndarray], mutant: str | None = None) -
     logits = b.op("dense", h_finals[-1], *head, name="logits")
     h_n = b.op("concat", *[b.op("reshape", h, shape=(1, batch, hidden)) for h in h_finals], axis=0, name="h_n")
     outputs = [logits, sequences[-1], h_n, c_finals[1]]
-    if mutant == "inner_sequence_read":
+    if change == "inner_sequence_read":
         outputs.append(sequences[1])
     return b.build(*outputs)
 
@@ -400,21 +403,23 @@ def _imported_reference(weights: dict[str, np.ndarray]):
     cfg = IMPORTED
     layers, hidden = cfg["num_layers"], cfg["hidden_size"]
     rnn = torch.nn.LSTM(cfg["input_size"], hidden, layers)
+    biases = [("rnn.0.b_ih", "rnn.0.b_hh"), ("rnn.1.bias", None), ("rnn.2.bias", None), (None, None)]
+    zeros = np.zeros(4 * hidden, np.float32)
     state = {}
     for layer in range(layers):
-        zeros = np.zeros(4 * hidden, np.float32)
-        biases = {0: ("rnn.0.b_ih", "rnn.0.b_hh"), 1: ("rnn.1.bias", None), 2: ("rnn.2.bias", None)}.get(layer, (None,) * 2)
         state[f"weight_ih_l{layer}"] = weights[f"rnn.{layer}.w_ih"]
         state[f"weight_hh_l{layer}"] = weights[f"rnn.{layer}.w_hh"]
-        state[f"bias_ih_l{layer}"], state[f"bias_hh_l{layer}"] = (zeros if b is None else weights[b] for b in biases)
+        b_ih, b_hh = (zeros if name is None else weights[name] for name in biases[layer])
+        state[f"bias_ih_l{layer}"], state[f"bias_hh_l{layer}"] = b_ih, b_hh
     rnn.load_state_dict({name: torch.from_numpy(array) for name, array in state.items()})
     tensor = {name: torch.from_numpy(array) for name, array in weights.items()}
 
     def run(inputs):
         with torch.no_grad():
-            x = torch.nn.functional.linear(torch.from_numpy(inputs["input"]), tensor["proj.weight"], tensor["proj.bias"])
+            linear = torch.nn.functional.linear
+            x = linear(torch.from_numpy(inputs["input"]), tensor["proj.weight"], tensor["proj.bias"])
             output, (h_n, c_n) = rnn(x)
-            logits = torch.nn.functional.linear(h_n[-1], tensor["head.weight"], tensor["head.bias"])
+            logits = linear(h_n[-1], tensor["head.weight"], tensor["head.bias"])
         return [logits.numpy(), output.numpy(), h_n.numpy(), c_n[1].numpy()]
 
     return run
@@ -449,3 +454,20 @@ def test_an_imported_graph_that_is_no_stacked_lstm_is_left_alone(mutant):
     cannot give back); the unchanged graph is the proof that the recognizer refused it."""
     graph = _imported_graph(_imported_weights(seed=0), mutant)
     assert wavefront(graph) == (graph, [])
+
+
+def test_two_stacks_become_two_wavefront_scans():
+    """Layers 0-1 and 2-3 with a relu between: each stack is rewritten, the second with names of
+    its own; h_n stacks final states from both."""
+    weights = _imported_weights(seed=0)
+    graph = _imported_graph(weights, "two_stacks")
+    transformed, report = wavefront(graph)
+    steps = IMPORTED["steps"]
+    assert [scan.length for scan in _scans(transformed)] == [steps + 1, steps + 1]
+    stacks = f"imported: 2 layers x {steps} steps"
+    assert [line.split(" -> ")[0] for line in report] == [stacks, "imported: 7 per-layer weights",
+                                                          stacks, "imported: 5 per-layer weights"]
+    assert {"wavefront.weight", "wavefront:2.weight"} <= set(transformed.params)
+    inputs = {"input": np.random.default_rng(1).standard_normal((steps, IMPORTED["batch"], IMPORTED["features"]))
+              .astype(np.float32)}
+    _check_same_outputs(graph, transformed, inputs)
