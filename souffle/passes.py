@@ -161,7 +161,9 @@ class Pipeline:
         self._check_printed(wanted, chosen, level)
         directory = _dump_directory(dump_dir, self) if dump_dir is not None else None
         if directory is not None:
-            (directory / f"00-input.{self.input_ir.suffix}").write_text(_text(ir))
+            first = self.passes.index(chosen[0])
+            given = self.passes[first - 1].ir if first else self.input_ir
+            (directory / f"00-input.{given.suffix}").write_text(_text(ir))
         result = PipelineRun(self, options)
         for p in chosen:
             if not self.runs_at(p, level):
@@ -192,11 +194,13 @@ class Pipeline:
         if unknown:
             raise SouffleError(f"cannot print after {', '.join(map(repr, unknown))}: target {self.target!r} has no such "
                                f"pass; its passes: {', '.join(self.names)}")
-        skipped = [p for p in self.passes if p.name in wanted and (p not in chosen or not self.runs_at(p, level))]
-        if skipped:
-            p = skipped[0]
-            raise SouffleError(f"cannot print after {p.name!r}: it runs from opt level {p.from_level}, "
-                               f"and this compile is at O{level}")
+        for p in self.passes:
+            if p.name in wanted and p not in chosen:
+                raise SouffleError(f"cannot print after {p.name!r}: this run applies only the passes from "
+                                   f"{chosen[0].name} to {chosen[-1].name}")
+            if p.name in wanted and not self.runs_at(p, level):
+                raise SouffleError(f"cannot print after {p.name!r}: it runs from opt level {p.from_level}, "
+                                   f"and this compile is at O{level}")
 
 
 def _text(ir) -> str:

@@ -81,6 +81,7 @@ def test_the_runner_dumps_and_prints_the_ir_after_each_pass(tmp_path, capsys):
     ({"print_after": ["four"]}, "cannot print after 'four': target 'toy' has no such pass; its passes: one, two, three"),
     ({"print_after": ["two"], "level": 1}, "cannot print after 'two': it runs from opt level 2, and this compile is at O1"),
     ({"start": "zero"}, "target 'toy' has no pass 'zero'"),
+    ({"print_after": ["one"], "start": "two"}, "cannot print after 'one': this run applies only the passes from two to three"),
 ])
 def test_the_runner_refuses_names_it_does_not_know(kwargs, message):
     level = kwargs.pop("level", 2)
