@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -63,3 +65,14 @@ def test_bad_targets_and_graphs(mlp):
     no_weights = body.build(body.op("dense", x, body.param("w", (4, 4))))
     with pytest.raises(SouffleError, match="has no weights"):
         souffle.compile(no_weights)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"threads": 64}, "threads per block are the persistent kernel's (targets cuda and llvm-persistent)"),
+    ({"opt_level": 2}, "opt levels are the persistent kernel's"),
+    ({"device": "h200"}, "target 'llvm' needs a CPU device model, not 'h200'; use 'cpu'"),
+])
+def test_options_of_the_persistent_targets_are_refused_for_llvm(mlp, options, message):
+    graph, _ = mlp
+    with pytest.raises(TargetError, match=re.escape(message)):
+        souffle.compile(graph, target="llvm", **options)
