@@ -78,11 +78,10 @@ def test_one_step_lstm_output_is_the_final_state():
 def test_tiny_persistent_wavefront_step_has_one_grid_barrier():
     """The per-step output reads the carried state's slot while the gate product writes the
     other one, so at O4 the two share a barrier phase: one grid barrier per wavefront step."""
-    from codegen.staging import Stage
+    from codegen.staged import Stage
 
     transformed, _ = wavefront(lstm.build_graph(TINY, lstm.init_weights(TINY, seed=0)))
     m = souffle.compile(transformed, target="llvm-persistent", threads=256)
-    print(m.plan)
     (loop,) = [item for item in m.plan.items if type(item).__name__ == "Loop"]
     assert loop.trips == TINY["steps"] + TINY["num_layers"] - 1
     stages = [item for item in loop.items if isinstance(item, Stage)]
@@ -132,7 +131,7 @@ FUSED_CONFIGS = {
 def test_o3_persistent_program_fuses_the_gate_product_with_the_state_update(name):
     """At O3 the staged program's wavefront loop has a stage that is the gate GEMV with the
     state update as its epilogue, and the program computes torch.nn.LSTM."""
-    from codegen.staging import Loop
+    from codegen.staged import Loop
 
     cfg = FUSED_CONFIGS[name]
     weights = lstm.init_weights(cfg, seed=0)
@@ -165,7 +164,7 @@ def test_the_one_gate_product_has_one_consumer_the_new_state(name):
     vertical inlining the step has ONE reduction (input and recurrent products as one), the
     only TE that reads it is the one computing the carried state, and the step's output reads
     the state the step started from (so it need not wait for the product)."""
-    from codegen.transform import vertical
+    from codegen.vertical import vertical
     from souffle.lower import lower_graph
 
     cfg = CONFIGS[name]
