@@ -6,6 +6,9 @@ The default suite needs nvcc but no GPU; the ``gpu`` tests run a grid-synced ker
 """
 
 import gc
+import hashlib
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -126,6 +129,78 @@ def test_cache_key_and_default_dir(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cubin").iterdir())) == 2
     compile_cubin(SCALE + "\n// changed\n", "sm_90", kernel="scale")
     assert len(list((tmp_path / "cubin").iterdir())) == 4
+
+
+def _only_entry(directory: Path) -> tuple[Path, Path]:
+    (meta,) = directory.glob("*.json")
+    return meta.with_suffix(".cubin"), meta
+
+
+@needs_nvcc
+@pytest.mark.parametrize("damage", ["truncated cubin", "empty cubin", "truncated json", "garbage json",
+                                    "json of a list", "tampered registers", "missing cubin"])
+def test_an_entry_that_does_not_verify_is_rebuilt(tmp_path, damage):
+    good = compile_cubin(SCALE, "sm_90", kernel="scale", cache_dir=tmp_path)
+    cubin_path, meta_path = _only_entry(tmp_path)
+    if damage == "truncated cubin":
+        cubin_path.write_bytes(good[0][:100])
+    elif damage == "empty cubin":
+        cubin_path.write_bytes(b"")
+    elif damage == "truncated json":
+        meta_path.write_bytes(meta_path.read_bytes()[:40])
+    elif damage == "garbage json":
+        meta_path.write_bytes(b"\xff\xfe not json")
+    elif damage == "json of a list":
+        meta_path.write_text("[1, 2]")
+    elif damage == "tampered registers":
+        meta = json.loads(meta_path.read_text())
+        meta["resources"]["registers"] = 1
+        meta_path.write_text(json.dumps(meta))
+    else:
+        cubin_path.unlink()
+    with pytest.warns(cuda.CacheWarning, match=f"nvcc cache entry {re.escape(str(meta_path))} does not verify"):
+        rebuilt = compile_cubin(SCALE, "sm_90", kernel="scale", cache_dir=tmp_path)
+    assert rebuilt == good
+    assert cubin_path.read_bytes() == good[0]
+    assert compile_cubin(SCALE, "sm_90", kernel="scale", cache_dir=tmp_path) == good  # verifies now, no warning
+
+
+@needs_nvcc
+def test_a_sealed_entry_of_the_wrong_form_is_rebuilt(tmp_path):
+    """An entry whose seal matches but whose resources are not this kernel's is rebuilt, not a TypeError."""
+    good = compile_cubin(SCALE, "sm_90", kernel="scale", cache_dir=tmp_path)
+    _, meta_path = _only_entry(tmp_path)
+    meta = json.loads(meta_path.read_text())
+    meta["resources"] = {"registers": "many"}
+    sealed = json.dumps({k: meta[k] for k in ("cubin_sha256", "resources")}, sort_keys=True)
+    meta["sha256"] = hashlib.sha256(sealed.encode()).hexdigest()
+    meta_path.write_text(json.dumps(meta))
+    with pytest.warns(cuda.CacheWarning, match="its resources are not sm_90's arch, registers"):
+        assert compile_cubin(SCALE, "sm_90", kernel="scale", cache_dir=tmp_path) == good
+
+
+@needs_nvcc
+def test_an_unwritable_cache_compiles_uncached_and_warns_once(tmp_path, monkeypatch):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("SOUFFLE_CACHE_DIR", str(blocker))  # its cubin/ subdirectory cannot be made
+    with pytest.warns(cuda.CacheWarning, match=f"nvcc cache {re.escape(str(blocker / 'cubin'))} cannot be written "
+                                               ".*compiling without caching") as caught:
+        first = compile_cubin(SCALE, "sm_90", kernel="scale")
+        second = compile_cubin(SCALE, "sm_90", kernel="scale")
+    assert len(caught) == 1
+    assert first == second and first[0][:4] == b"\x7fELF"
+    assert blocker.read_text() == ""
+
+
+@needs_nvcc
+def test_cubins_are_reproducible_across_caches(tmp_path):
+    """nvcc runs in a fresh temporary directory per compile, which line info used to record."""
+    one, _ = compile_cubin(TWO_STAGE, "sm_90", cache_dir=tmp_path / "one")
+    two, _ = compile_cubin(TWO_STAGE, "sm_90", cache_dir=tmp_path / "two")
+    assert one == two
+    assert b".nv_debug_line_sass" in one and b"kernel.cu" in one  # line info kept
+    assert b"souffle-nvcc-" not in one
 
 
 @needs_nvcc

@@ -9,6 +9,8 @@ problem: a missing nvcc, a compile error (with nvcc's first lines), a missing dr
 failed driver call (with the call and the CUDA error name), a grid too large for a cooperative
 launch. A bad argument (a buffer size, an upload or download that does not fit, a kernel argument
 of the wrong type or range) is an :class:`~souffle.errors.InputError`, raised before any driver call.
+The nvcc cache never raises: an entry that does not verify is rebuilt, an unwritable cache is
+skipped, each with a :class:`CacheWarning`.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +36,13 @@ from souffle.errors import InputError, TargetError
 # ---------------------------------------------------------------------------------------------
 # nvcc
 
-_NVCC_FLAGS = ("-O3", "-lineinfo", "--resource-usage")
+# The path a cubin records for its source. nvcc compiles in a fresh temporary directory, whose
+# path would otherwise reach the cubin twice and make every compile's bytes differ: in the line
+# info (set by the #line that starts the compiled file) and in the module id hashed into the
+# names of internal-linkage functions such as cooperative_groups' grid sync (set by cicc's
+# --orig_src_path_name, which overrides the path nvcc passes it).
+_SOURCE_PATH = "/souffle/kernel.cu"
+_NVCC_FLAGS = ("-O3", "-lineinfo", "--resource-usage", "-Xcicc", f"--orig_src_path_name={_SOURCE_PATH}")
 _ARCH = re.compile(r"sm_\d{2,3}[af]?")
 _ERROR_LINES = 20
 
@@ -123,34 +132,126 @@ def _cache_dir(cache_dir) -> Path:
     return Path.home() / ".cache" / "souffle" / "cubin"
 
 
+class CacheWarning(UserWarning):
+    """The nvcc cache could not be used as it is: an entry that did not verify was rebuilt, or
+    the cache directory cannot be written and compiles go uncached."""
+
+
+# Part of every cache key: entries of an older layout are misses, not entries that fail to verify.
+_CACHE_FORMAT = 2
+_unwritable_caches: set[Path] = set()
+
+
 def compile_cubin(source: str, arch: str, kernel: str | tuple[str, ...] = "main_kernel",
                   cache_dir=None) -> tuple[bytes, KernelResources | dict[str, KernelResources]]:
     """Compile CUDA ``source`` to a cubin for ``arch`` ("sm_90") and report ``kernel``'s resources
     (for a tuple of kernels, a dict of each one's).
 
     Results are cached under ``cache_dir``, else ``$SOUFFLE_CACHE_DIR/cubin``, else
-    ``~/.cache/souffle/cubin``, keyed by the source, arch, kernel, nvcc version and flags;
-    a hit reads two files and runs no nvcc.
+    ``~/.cache/souffle/cubin``, keyed by the source, arch, kernel, nvcc version and flags; a hit
+    reads two files and runs no nvcc. An entry is the cubin and a JSON of the cubin's SHA-256
+    and the resources, sealed by the JSON's own SHA-256; both are checked on every hit, and an
+    entry that does not verify (truncated, emptied, malformed, edited) is rebuilt with a
+    :class:`CacheWarning`, never raised. A cache directory that cannot be created or written
+    does not stop a compile: it goes uncached, with one CacheWarning per directory.
+
+    The cubin is reproducible: the same source, arch and nvcc give the same bytes in any cache.
     """
     if not isinstance(arch, str) or not _ARCH.fullmatch(arch):
         raise TargetError(f"bad CUDA arch {arch!r}: expected a real architecture like 'sm_80' or 'sm_90'")
     nvcc = _nvcc_path()
     key = json.dumps(
-        {"source": source, "arch": arch, "kernel": kernel, "nvcc": nvcc_version(), "flags": _NVCC_FLAGS},
+        {"source": source, "arch": arch, "kernel": kernel, "nvcc": nvcc_version(), "flags": _NVCC_FLAGS,
+         "cache_format": _CACHE_FORMAT},
         sort_keys=True,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()
     directory = _cache_dir(cache_dir)
     cubin_path, meta_path = directory / f"{digest}.cubin", directory / f"{digest}.json"
-    if meta_path.exists() and cubin_path.exists():
-        meta = json.loads(meta_path.read_text())
-        if isinstance(kernel, tuple):
-            return cubin_path.read_bytes(), {k: KernelResources(**meta[k]) for k in kernel}
-        return cubin_path.read_bytes(), KernelResources(**meta)
+    try:
+        cached = _cached_entry(cubin_path, meta_path, arch, kernel)
+    except _CorruptEntry as corrupt:
+        warnings.warn(f"nvcc cache entry {meta_path} does not verify ({corrupt}): rebuilding it", CacheWarning,
+                      stacklevel=2)
+        cached = None
+    if cached is not None:
+        return cached
 
+    cubin, resources = _nvcc_compile(nvcc, source, arch, kernel)
+    meta = {"cubin_sha256": _sha256(cubin), "resources": _resources_json(resources)}
+    meta["sha256"] = _sha256(_canonical(meta))
+    # The JSON is written last and marks the entry complete; os.replace makes each file appear
+    # whole, and a compile is reproducible, so concurrent compiles of one key write equal files.
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_atomic(cubin_path, cubin)
+        _write_atomic(meta_path, json.dumps(meta).encode())
+    except OSError as err:
+        if directory not in _unwritable_caches:
+            _unwritable_caches.add(directory)
+            warnings.warn(f"nvcc cache {directory} cannot be written ({err}): compiling without caching; set "
+                          f"SOUFFLE_CACHE_DIR to a writable directory", CacheWarning, stacklevel=2)
+    return cubin, resources
+
+
+class _CorruptEntry(Exception):
+    """A cache entry that exists but does not verify; its message says why."""
+
+
+def _cached_entry(cubin_path: Path, meta_path: Path, arch: str, kernel):
+    """The cached (cubin, resources), None on a miss; raises _CorruptEntry for an entry that
+    does not verify."""
+    try:
+        meta_bytes = meta_path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # no entry (or no cache), or one whose JSON was never written: a compile was interrupted
+    except OSError as err:
+        raise _CorruptEntry(f"unreadable: {err}") from None
+    try:
+        meta = json.loads(meta_bytes)
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError alike
+        raise _CorruptEntry(f"not JSON: {err}") from None
+    if not isinstance(meta, dict) or set(meta) != {"cubin_sha256", "resources", "sha256"}:
+        raise _CorruptEntry("not an object of cubin_sha256, resources and sha256")
+    if meta["sha256"] != _sha256(_canonical({k: meta[k] for k in ("cubin_sha256", "resources")})):
+        raise _CorruptEntry("its content does not match its sha256")
+    try:
+        cubin = cubin_path.read_bytes()
+    except OSError as err:
+        raise _CorruptEntry(f"its cubin {cubin_path.name} is unreadable: {err}") from None
+    if _sha256(cubin) != meta["cubin_sha256"]:
+        raise _CorruptEntry(f"its cubin {cubin_path.name} ({len(cubin)} bytes) does not match its sha256")
+    return cubin, _resources_from_json(meta["resources"], arch, kernel)
+
+
+def _resources_json(resources) -> dict:
+    return {k: asdict(r) for k, r in resources.items()} if isinstance(resources, dict) else asdict(resources)
+
+
+def _resources_from_json(value, arch: str, kernel):
+    """The resources an entry records, checked field by field (a sealed entry written by another
+    version of this code must still not raise a TypeError)."""
+    if isinstance(kernel, tuple):
+        if not isinstance(value, dict) or set(value) != set(kernel):
+            raise _CorruptEntry(f"its resources are not those of kernels {', '.join(kernel)}")
+        return {k: _kernel_resources(value[k], arch) for k in kernel}
+    return _kernel_resources(value, arch)
+
+
+def _kernel_resources(value, arch: str) -> KernelResources:
+    names = [f.name for f in fields(KernelResources)]
+    if not isinstance(value, dict) or set(value) != set(names) or value["arch"] != arch:
+        raise _CorruptEntry(f"its resources are not {arch}'s {', '.join(names)}")
+    if not all(type(value[name]) is int and value[name] >= 0 for name in names if name != "arch"):
+        raise _CorruptEntry("its resources are not non-negative integers")
+    return KernelResources(**value)
+
+
+def _nvcc_compile(nvcc: str, source: str, arch: str, kernel):
+    """Run nvcc on ``source`` in a temporary directory: the cubin and ``kernel``'s resources."""
     with tempfile.TemporaryDirectory(prefix="souffle-nvcc-") as tmp:
         src, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
-        src.write_text(source)
+        src.write_text(f'#line 1 "{_SOURCE_PATH}"\n' + source)
         result = subprocess.run(
             [nvcc, "-cubin", f"-arch={arch}", *_NVCC_FLAGS, "-o", str(out), str(src)],
             check=False,
@@ -168,15 +269,15 @@ def compile_cubin(source: str, arch: str, kernel: str | tuple[str, ...] = "main_
             resources = {k: parse_resource_usage(text, arch, k) for k in kernel}
         else:
             resources = parse_resource_usage(text, arch, kernel)
-        cubin = out.read_bytes()
+        return out.read_bytes(), resources
 
-    # The JSON is written last and marks the entry complete; os.replace makes each file
-    # appear whole, so a concurrent or interrupted compile never leaves a torn entry.
-    directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(cubin_path, cubin)
-    meta = {k: asdict(r) for k, r in resources.items()} if isinstance(kernel, tuple) else asdict(resources)
-    _write_atomic(meta_path, json.dumps(meta).encode())
-    return cubin, resources
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _canonical(value) -> bytes:
+    return json.dumps(value, sort_keys=True).encode()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
