@@ -23,6 +23,7 @@ from souffle.errors import SouffleError, TargetError
 from souffle.graph import Graph
 from souffle.lower import TEProgram
 from souffle.passes import CompileOptions, Pipeline, PipelineRun
+from souffle.runtime.check import CHECK, EXPECTED, INPUTS, Check
 
 TARGETS = tuple(PIPELINES)
 MODELS = {"llvm": CpuModel, "cuda": CudaModel, "llvm-persistent": CpuModel}  # what each target's result runs as
@@ -98,13 +99,17 @@ def _options(pipeline: Pipeline, device: str | None, threads, opt_level) -> Comp
 
 def export_check(name: str, config: str, directory, archs: tuple[str, ...] = ("sm_80",), opt_level: int | None = None):
     """Compile model ``name`` for cuda (at ``opt_level``, by default the compiler's) and write its
-    check bundle (``souffle.runtime.check``) to ``directory``; returns the compiled model."""
+    check bundle (``souffle.runtime.check``) to ``directory``; returns the compiled model.
+
+    The bundle is loaded back as the GPU machine will load it, so that one it would refuse (a
+    reference output of another shape or dtype than the kernel's) fails here, where it is made."""
     graph = models.build(name, config)
     model = compile(graph, target="cuda", opt_level=opt_level)
     target = model.artifact(config=config, seed=0, archs=archs).save(directory)
     inputs = models.make_inputs(name, config, seed=1)
-    np.savez(target / "inputs.npz", **inputs)
-    np.savez(target / "expected.npz", *models.reference(name, config, graph.weights)(inputs))
+    np.savez(target / INPUTS, **inputs)
+    np.savez(target / EXPECTED, *models.reference(name, config, graph.weights)(inputs))
     rtol, atol = models.tolerance(name, config)
-    (target / "check.json").write_text(json.dumps({"rtol": rtol, "atol": atol, "report": str(model.report())}))
+    (target / CHECK).write_text(json.dumps({"rtol": rtol, "atol": atol, "report": str(model.report())}))
+    Check.load(target)
     return model

@@ -51,7 +51,8 @@ class CudaModel(CompiledModel):
 
         staged = self.plan
         cubins = {self.device_model.arch: self.cubin}
-        cubins.update({arch: compile_cubin(self.source, arch)[0] for arch in archs if arch not in cubins})
+        kernels = tuple(self.argument_orders)
+        cubins.update({arch: compile_cubin(self.source, arch, kernels)[0] for arch in archs if arch not in cubins})
         return KernelArtifact(
             model=self.graph.name, config=config, seed=seed, threads=staged.threads,
             kernels={name: list(order) for name, order in self.argument_orders.items()},
@@ -73,7 +74,7 @@ class CudaModel(CompiledModel):
         import time
 
         launcher = self._launcher()
-        arrays = self._checked_inputs(inputs)
+        arrays = self._shaped_inputs(inputs)
         start = time.perf_counter()
         outputs = launcher.run(arrays)
         self._last_run = time.perf_counter() - start
@@ -81,7 +82,11 @@ class CudaModel(CompiledModel):
 
     def benchmark(self, inputs: dict, repeat: int = 50, number: int = 1, warmup: int = 5) -> list[float]:
         """Seconds per inference from CUDA events, ``repeat`` runs after ``warmup``."""
-        return self._launcher().benchmark(self._checked_inputs(inputs), repeat=repeat, warmup=warmup)
+        return self._launcher().benchmark(self._shaped_inputs(inputs), repeat=repeat, warmup=warmup)
+
+    def _shaped_inputs(self, inputs: dict) -> list:
+        """The inputs in the graph's order and shapes, as the launcher takes them."""
+        return [array.reshape(spec.shape) for array, spec in zip(self._checked_inputs(inputs), self.graph.inputs)]
 
     def report(self) -> Report:
         report = super().report()

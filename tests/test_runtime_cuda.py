@@ -384,13 +384,15 @@ def _artifact(**fields) -> KernelArtifact:
     return KernelArtifact(**{**defaults, **fields})
 
 
-def test_artifact_inputs_of_the_wrong_count_size_or_dtype_are_refused():
+def test_artifact_inputs_of_the_wrong_count_shape_or_dtype_are_refused():
     artifact = _artifact()
     with pytest.raises(InputError, match=r"toy takes 1 inputs \(x\), got 0"):
         artifact.checked_inputs([])
-    with pytest.raises(InputError, match=r"input 'x' needs 6 float32 values \(shape \(2, 3\)\), got 4 float32 values"):
+    with pytest.raises(InputError, match=r"input 'x' needs \(2, 3\) float32, got \(2, 2\) float32"):
         artifact.checked_inputs([np.zeros((2, 2), np.float32)])
-    with pytest.raises(InputError, match="got 6 float64 values"):
+    with pytest.raises(InputError, match=r"input 'x' needs \(2, 3\) float32, got \(3, 2\) float32"):
+        artifact.checked_inputs([np.zeros((3, 2), np.float32)])  # the right size, read in the wrong order
+    with pytest.raises(InputError, match=r"got \(2, 3\) float64"):
         artifact.checked_inputs([np.zeros((2, 3))])
     (flat,) = artifact.checked_inputs([np.arange(6, dtype=np.float32).reshape(3, 2).T])
     np.testing.assert_array_equal(flat, [0, 2, 4, 1, 3, 5])

@@ -43,7 +43,7 @@ from souffle.errors import InputError, TargetError
 # --orig_src_path_name, which overrides the path nvcc passes it).
 _SOURCE_PATH = "/souffle/kernel.cu"
 _NVCC_FLAGS = ("-O3", "-lineinfo", "--resource-usage", "-Xcicc", f"--orig_src_path_name={_SOURCE_PATH}")
-_ARCH = re.compile(r"sm_\d{2,3}[af]?")
+ARCH = re.compile(r"sm_\d{2,3}[af]?")  # a real architecture, as nvcc's -arch takes it
 _ERROR_LINES = 20
 
 
@@ -157,7 +157,7 @@ def compile_cubin(source: str, arch: str, kernel: str | tuple[str, ...] = "main_
 
     The cubin is reproducible: the same source, arch and nvcc give the same bytes in any cache.
     """
-    if not isinstance(arch, str) or not _ARCH.fullmatch(arch):
+    if not isinstance(arch, str) or not ARCH.fullmatch(arch):
         raise TargetError(f"bad CUDA arch {arch!r}: expected a real architecture like 'sm_80' or 'sm_90'")
     nvcc = _nvcc_path()
     key = json.dumps(
