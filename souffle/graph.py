@@ -16,7 +16,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from souffle.errors import GraphError, WeightError
-from souffle.tensor import TensorSpec  # defined apart so that souffle.ops need not import the graph
+from souffle.tensor import TensorSpec, dimension  # defined apart so that souffle.ops need not import the graph
 
 
 def _infer_outputs(kind: str, in_specs: Sequence[TensorSpec], attrs: Mapping[str, object], name: str):
@@ -64,6 +64,9 @@ class Scan:
     params: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     kind = "scan"
+
+    def __post_init__(self):
+        object.__setattr__(self, "length", dimension(self.length, f"scan {self.name!r}: length"))
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -256,6 +259,8 @@ def _infer_scan(scan: Scan, in_specs: list[TensorSpec]) -> list[tuple[tuple[int,
             raise GraphError(f"{where}: parameter {body_param!r} is bound to {len(names)} weights, expected {scan.length}")
         for name in names:
             expect(name, spec.shape, spec.dtype, f"weight for {body_param!r}")
+        if len(set(names)) > 1:  # stacked into one (length, *shape) weight at compile time: it must be indexable
+            TensorSpec(f"{scan.name}/{body_param}", (scan.length,) + spec.shape, spec.dtype)
     outputs = [(body_inputs[c[0]].shape, body_inputs[c[0]].dtype) for c in scan.carry]
     for body_out, _ in scan.ys:
         if body_out not in body.outputs:
@@ -354,7 +359,7 @@ class GraphBuilder:
         carry4 = tuple((bi, bo, init, f"{stem}.{bi}") for bi, bo, init in carry)
         ys2 = tuple((bo, f"{stem}.{bo}") for bo in ys)
         scan = Scan(
-            stem, body, int(length), carry4, tuple(xs), ys2, tuple(invariants),
+            stem, body, length, carry4, tuple(xs), ys2, tuple(invariants),
             tuple((p, tuple(names)) for p, names in (params or {}).items()),
         )
         in_specs = [self.spec(n) for n in scan.inputs]

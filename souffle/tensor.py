@@ -6,6 +6,8 @@ does not import the graph, which itself calls the ops' rules to validate every o
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +15,22 @@ import numpy as np
 from souffle.errors import GraphError
 
 SUPPORTED_DTYPES = ("float32", "float16", "int32", "int64")
+
+# TVM indexes a buffer whose size fits in int32 with 32-bit integers, and every tensor is one flat
+# buffer (or a slot of an arena, reached through a 64-bit pointer offset): an element index past
+# this overflows in the generated code (LLVM refuses the literal; CUDA would wrap silently).
+MAX_ELEMENTS = 2**31 - 1
+
+
+def dimension(value, what: str) -> int:
+    """``value`` as a Python int if it is an integer (a numpy integer included), else a GraphError:
+    ``int()`` would truncate 1.5 to 1 and read True as 1 or "3" as 3."""
+    if isinstance(value, (bool, np.bool_)):
+        raise GraphError(f"{what}: {value!r} is a bool, not an integer")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise GraphError(f"{what}: {value!r} is a {type(value).__name__}, not an integer") from None
 
 
 @dataclass(frozen=True)
@@ -25,9 +43,10 @@ class TensorSpec:
 
     def __post_init__(self):
         try:
-            shape = tuple(int(d) for d in self.shape)
-        except (TypeError, ValueError):
+            dims = tuple(self.shape)
+        except TypeError:
             raise GraphError(f"tensor {self.name!r}: shape {self.shape!r} is not a sequence of ints") from None
+        shape = tuple(dimension(d, f"tensor {self.name!r}: shape {self.shape!r} is not a sequence of ints") for d in dims)
         object.__setattr__(self, "shape", shape)
         if self.dtype not in SUPPORTED_DTYPES:
             raise GraphError(
@@ -36,10 +55,16 @@ class TensorSpec:
             )
         if any(d <= 0 for d in self.shape):
             raise GraphError(f"tensor {self.name!r}: shape {self.shape} has a non-positive dimension")
+        elements = math.prod(self.shape)
+        if elements > MAX_ELEMENTS:
+            raise GraphError(
+                f"tensor {self.name!r}: shape {self.shape} has {elements} elements, more than the "
+                f"{MAX_ELEMENTS} (2**31 - 1) the generated code can index (it indexes tensors with 32-bit integers)"
+            )
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

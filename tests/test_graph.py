@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -117,3 +119,63 @@ def test_scan_binding_errors():
     wrong = b.input("wrong", (1, 5))
     with pytest.raises(GraphError, match="initial carry 'wrong'"):
         b.scan(_layer_body(), 3, carry=[("h", "h_next", wrong)], params={"w": ws})
+
+
+@pytest.mark.parametrize("shape, message", [
+    ((2, 1.5), "1.5 is a float, not an integer"),
+    ((2.0, 3), "2.0 is a float, not an integer"),
+    ((2, True), "True is a bool, not an integer"),
+    ((np.bool_(True),), "np.True_ is a bool, not an integer"),
+    ((2, "3"), "'3' is a str, not an integer"),
+])
+def test_a_dimension_must_be_an_integer(shape, message):
+    with pytest.raises(GraphError, match=re.escape(f"tensor 'x': shape {shape!r} is not a sequence of ints: {message}")):
+        TensorSpec("x", shape)
+    b = GraphBuilder("g")
+    with pytest.raises(GraphError, match=re.escape(message)):
+        b.input("x", shape)
+    with pytest.raises(GraphError, match=re.escape(message)):
+        b.param("w", shape)
+
+
+def test_numpy_integer_dimensions_are_plain_ints():
+    spec = TensorSpec("x", (np.int64(2), np.int32(3), np.uint8(4)))
+    assert spec.shape == (2, 3, 4) and all(type(d) is int for d in spec.shape)
+
+
+def test_a_scan_length_must_be_an_integer():
+    b = GraphBuilder("deep")
+    x = b.input("x", (1, 4))
+    w = b.param("w", np.eye(4, dtype="float32"))
+    with pytest.raises(GraphError, match="scan 'layers': length: 2.5 is a float, not an integer"):
+        b.scan(_layer_body(), 2.5, name="layers", carry=[("h", "h_next", x)], params={"w": [w, w]})
+    (final,), _ = b.scan(_layer_body(), np.int64(2), name="layers", carry=[("h", "h_next", x)], params={"w": [w, w]})
+    assert b.build(final).ops[0].length == 2
+
+
+def test_the_largest_indexable_tensor_is_accepted():
+    assert TensorSpec("x", (2**31 - 1,)).size == 2**31 - 1  # a spec allocates nothing
+
+
+def test_a_tensor_past_32_bit_indexing_is_refused_when_declared():
+    limit = "more than the 2147483647 (2**31 - 1) the generated code can index"
+    with pytest.raises(GraphError, match=re.escape(f"tensor 'x': shape (65536, 32768) has 2147483648 elements, {limit}")):
+        TensorSpec("x", (2**16, 2**15))
+    b = GraphBuilder("g")
+    with pytest.raises(GraphError, match=re.escape(f"tensor 'x': shape (1000000, 1000000) has 1000000000000 elements, {limit}")):
+        b.input("x", (10**6, 10**6))
+    x = b.input("x", (2**16, 2**14))
+    with pytest.raises(GraphError, match=re.escape(f"tensor 'wide': shape (65536, 32768) has 2147483648 elements, {limit}")):
+        b.op("concat", x, x, axis=1, name="wide")
+
+
+def test_per_iteration_weights_stacked_past_32_bit_indexing_are_refused():
+    body = GraphBuilder("layer")
+    h = body.input("h", (1, 2**15))
+    body_graph = body.build(body.op("dense", h, body.param("w", (2**15, 2**15)), name="h_next"))
+    b = GraphBuilder("deep")  # parameters by shape only: nothing is allocated
+    x = b.input("x", (1, 2**15))
+    ws = [b.param(f"layer.{i}.w", (2**15, 2**15)) for i in range(2)]
+    with pytest.raises(GraphError, match=re.escape("tensor 'layers/w': shape (2, 32768, 32768) has 2147483648 elements")):
+        b.scan(body_graph, 2, name="layers", carry=[("h", "h_next", x)], params={"w": ws})
+    b.scan(body_graph, 2, name="layers", carry=[("h", "h_next", x)], params={"w": [ws[0], ws[0]]})  # one weight: no stack
