@@ -10,6 +10,7 @@ compiles as fast as one cell while staying one program.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -161,7 +162,12 @@ class Graph:
         for name in self.outputs:
             self._lookup(name, "the graph's output list")
 
-    def _checked_weights(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _checked_weights(self, weights: Mapping[str, object]) -> dict[str, np.ndarray]:
+        if not isinstance(weights, Mapping):
+            raise WeightError(
+                f"weights for {self.name!r} must be a mapping from parameter name to array "
+                f"(a dict or a PyTorch state_dict), not a {type(weights).__name__}"
+            )
         missing = sorted(set(self.params) - set(weights))
         extra = sorted(set(weights) - set(self.params))
         if missing or extra:
@@ -173,19 +179,19 @@ class Graph:
             raise WeightError(f"weights for {self.name!r} do not match its parameters ({'; '.join(parts)})")
         checked = {}
         for name, spec in self.params.items():
-            array = np.asarray(weights[name])
+            where = f"weight {name!r} of {self.name!r}"
+            array, source = _weight_array(weights[name], where)
             if tuple(array.shape) != spec.shape:
-                raise WeightError(
-                    f"weight {name!r} of {self.name!r} has shape {tuple(array.shape)}, expected {spec.shape}"
-                )
-            if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
-                raise WeightError(f"weight {name!r} of {self.name!r} has non-numeric dtype {array.dtype}")
-            checked[name] = np.ascontiguousarray(array, dtype=spec.dtype)
+                raise WeightError(f"{where} has shape {tuple(array.shape)}, expected {spec.shape}")
+            checked[name] = _owned_weight(array, source, np.dtype(spec.dtype), where)
         return checked
 
     # -- convenience ------------------------------------------------------------------------
     def with_weights(self, weights: Mapping[str, np.ndarray]) -> "Graph":
-        """The same graph with other weights (e.g. a PyTorch state_dict as numpy arrays)."""
+        """The same graph with other weights (e.g. a PyTorch state_dict): numpy arrays or torch
+        tensors, copied into read-only arrays of the parameters' dtypes. Integers and half-precision
+        floats (bfloat16, float16) must convert exactly; float32 and float64 may round to a narrower
+        float's nearest value, but not overflow it."""
         return Graph(self.name, self.inputs, self.params.values(), self.ops, self.outputs, weights, self.recipes)
 
     def output_specs(self) -> list[TensorSpec]:
@@ -209,6 +215,85 @@ class Graph:
         lines += [f"  {op}" for op in self.ops]
         lines.append(f"  return {', '.join(self.outputs)}")
         return "\n".join(lines)
+
+
+def _is_torch_tensor(value) -> bool:
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, np.ndarray) or _is_torch_tensor(value)
+
+
+def _weight_array(value, where: str) -> tuple[np.ndarray, str]:
+    """A weight given as a numpy array or a torch tensor, as a numpy array, and the dtype it was
+    given in. Torch's bfloat16 (and float8) has no numpy dtype: it becomes float32, which holds
+    every such value exactly; the dtype it came in still decides how it may convert."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        array = np.asarray(value)
+        return array, str(array.dtype)
+    if _is_torch_tensor(value):
+        tensor = value.detach().cpu()
+        source = str(tensor.dtype).removeprefix("torch.")
+        if tensor.is_floating_point() and tensor.element_size() < 4 and source != "float16":
+            tensor = tensor.float()
+        try:
+            return tensor.numpy(), source
+        except TypeError:
+            raise WeightError(f"{where} has torch dtype {source}, which has no numpy equivalent") from None
+    raise WeightError(f"{where} is a {type(value).__name__}: a weight must be a numpy array or a torch tensor")
+
+
+def _owned_weight(array: np.ndarray, source: str, dtype: np.dtype, where: str) -> np.ndarray:
+    """``array`` as the graph's own read-only, C-contiguous ``dtype`` copy, so that neither the
+    caller editing its array later nor an in-place edit of ``graph.weights`` changes the model."""
+    if array.dtype == dtype and array.flags.owndata and not array.flags.writeable and array.flags.c_contiguous:
+        return array  # already read-only memory of its own (another graph's weight): nothing can change it
+    if array.dtype.kind not in "fiu":
+        raise WeightError(f"{where} has non-numeric dtype {array.dtype}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        owned = array.astype(dtype, order="C")
+        if array.dtype != dtype:
+            lost, reason = _lost_values(array, source, owned)
+            if lost.any():
+                first = array.reshape(-1)[np.flatnonzero(lost)[0]].item()
+                raise WeightError(f"{where}: {np.count_nonzero(lost)} {source} values {reason} (the first: {first!r})")
+    owned.setflags(write=False)
+    return owned
+
+
+def _lost_values(array: np.ndarray, source: str, converted: np.ndarray) -> tuple[np.ndarray, str]:
+    """Which values of ``array`` (given in dtype ``source``) its conversion did not keep, and why.
+
+    Integers and half-precision floats must convert exactly; float32 and float64 may round to a
+    narrower float's nearest value (as every float64 state_dict does), but may not overflow it."""
+    dtype = converted.dtype
+    inexact = f"cannot be held exactly by {dtype}"
+    if dtype.kind == "f" and array.dtype.kind == "f":
+        if source in ("float32", "float64"):
+            return np.isfinite(array) & ~np.isfinite(converted), f"overflow {dtype}, whose largest is {np.finfo(dtype).max:g}"
+        back = converted.astype(array.dtype)
+        return (back != array) & ~(np.isnan(array) & np.isnan(back)), inexact
+    if dtype.kind == "f":  # from integers: kept if the float is in the integers' range and converts back to them
+        wide = converted.astype(np.float64)  # every float16 and float32 value, and the range's bounds, exactly
+        low, high = _integer_range(array.dtype)
+        kept = np.isfinite(wide) & (wide >= low) & (wide < high)
+        kept &= np.where(kept, wide, 0).astype(array.dtype) == array
+        return ~kept, inexact
+    if array.dtype.kind == "f":  # to integers: whole numbers in their range
+        wide = array.astype(np.float64)
+        low, high = _integer_range(dtype)
+        return ~(np.isfinite(wide) & (np.trunc(wide) == wide) & (wide >= low) & (wide < high)), inexact
+    info = np.iinfo(dtype)
+    return (array < info.min) | (array > info.max), inexact  # numpy compares with Python ints exactly
+
+
+def _integer_range(dtype: np.dtype) -> tuple[float, float]:
+    """An integer dtype's range as [low, high) in float64, whose bounds are powers of two that
+    float64 holds exactly (it cannot hold int64's largest value, 2**63 - 1, but holds 2**63)."""
+    info = np.iinfo(dtype)
+    return float(info.min), 2.0 ** (info.bits - 1 if info.min < 0 else info.bits)
 
 
 def _short_list(names: list[str], limit: int = 5) -> str:
@@ -314,9 +399,11 @@ class GraphBuilder:
         return name
 
     def param(self, name: str, value, dtype: str | None = None) -> str:
-        """A parameter from an array (top-level graphs) or a shape (scan bodies)."""
-        if isinstance(value, np.ndarray):
-            spec = TensorSpec(name, value.shape, dtype or str(value.dtype))
+        """A parameter from an array, numpy or torch (top-level graphs), or a shape (scan bodies).
+        The array is copied when the graph is built (``Graph`` owns its weights)."""
+        if _is_array(value):
+            array, _ = _weight_array(value, f"weight {name!r} of {self.name!r}")
+            spec = TensorSpec(name, array.shape, dtype or str(array.dtype))
             self._weights[name] = value
         else:
             spec = TensorSpec(name, value, dtype or "float32")

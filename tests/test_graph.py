@@ -179,3 +179,71 @@ def test_per_iteration_weights_stacked_past_32_bit_indexing_are_refused():
     with pytest.raises(GraphError, match=re.escape("tensor 'layers/w': shape (2, 32768, 32768) has 2147483648 elements")):
         b.scan(body_graph, 2, name="layers", carry=[("h", "h_next", x)], params={"w": ws})
     b.scan(body_graph, 2, name="layers", carry=[("h", "h_next", x)], params={"w": [ws[0], ws[0]]})  # one weight: no stack
+
+
+def test_weights_must_be_a_mapping_of_arrays():
+    g = _mlp()
+    with pytest.raises(WeightError, match=re.escape(
+            "weights for 'mlp' must be a mapping from parameter name to array (a dict or a PyTorch state_dict), not a list")):
+        g.with_weights(list(g.weights.values()))
+    with pytest.raises(WeightError, match=re.escape(
+            "weight 'fc.bias' of 'mlp' is a list: a weight must be a numpy array or a torch tensor")):
+        g.with_weights({**g.weights, "fc.bias": [0.0, 1.0, 2.0]})
+
+
+def _int_param_graph():
+    b = GraphBuilder("ints")
+    x = b.input("x", (3,), "int32")
+    return b.build(b.op("add", x, b.param("w", np.zeros(3, "int32"))))
+
+
+def test_a_weight_converts_only_if_every_value_survives():
+    g = _mlp()
+    with pytest.raises(WeightError, match=re.escape(
+            "weight 'fc.bias' of 'mlp': 1 int64 values cannot be held exactly by float32 (the first: 16777217)")):
+        g.with_weights({**g.weights, "fc.bias": np.array([1, 2**24 + 1, 3])})
+    with pytest.raises(WeightError, match=re.escape(
+            "weight 'fc.bias' of 'mlp': 2 float64 values overflow float32, whose largest is 3.40282e+38 (the first: 1e+300)")):
+        g.with_weights({**g.weights, "fc.bias": np.array([0.5, 1e300, -1e300])})
+    exact = g.with_weights({**g.weights, "fc.bias": np.array([1, -2, 2**24])})
+    assert exact.weights["fc.bias"].tolist() == [1.0, -2.0, 2.0**24]
+    rounded = g.with_weights({**g.weights, "fc.bias": np.array([0.1, np.inf, np.nan])})  # float64 rounds to float32
+    assert rounded.weights["fc.bias"][0] == np.float32(0.1) and np.isinf(rounded.weights["fc.bias"][1])
+    ints = _int_param_graph()
+    assert ints.with_weights({"w": np.array([1.0, -2.0, 3.0])}).weights["w"].tolist() == [1, -2, 3]
+    for given, first in ((np.array([1.0, 1.5, 3.0]), "float64 values cannot be held exactly by int32 (the first: 1.5)"),
+                         (np.array([1, 2**32, 3]), "int64 values cannot be held exactly by int32 (the first: 4294967296)"),
+                         (np.array([1, 2**32 - 1, 3], np.uint32),  # would wrap to -1
+                          "uint32 values cannot be held exactly by int32 (the first: 4294967295)")):
+        with pytest.raises(WeightError, match=re.escape(f"weight 'w' of 'ints': 1 {first}")):
+            ints.with_weights({"w": given})
+
+
+def test_half_precision_torch_weights_convert_only_exactly():
+    torch = pytest.importorskip("torch")
+    b = GraphBuilder("half")
+    x = b.input("x", (3,), "float16")
+    g = b.build(b.op("add", x, b.param("w", np.zeros(3, "float16"))))
+    exact = torch.tensor([0.5, -2.0, 1024.0], dtype=torch.bfloat16)
+    assert g.with_weights({"w": exact}).weights["w"].tolist() == [0.5, -2.0, 1024.0]
+    refused = re.escape("weight 'w' of 'half': 1 bfloat16 values cannot be held exactly by float16")
+    with pytest.raises(WeightError, match=refused):
+        g.with_weights({"w": torch.tensor([0.5, 1e5, 1.0], dtype=torch.bfloat16)})  # past float16's 65504
+    with pytest.raises(WeightError, match=refused):
+        g.with_weights({"w": torch.tensor([0.5, 1e-6, 1.0], dtype=torch.bfloat16)})  # float16 subnormal: rounds
+
+
+def test_the_graph_owns_read_only_copies_of_its_weights():
+    weight = np.ones((3, 4), "float32")
+    b = GraphBuilder("mlp")
+    y = b.op("dense", b.input("x", (2, 4)), b.param("fc.weight", weight))
+    g = b.build(y)
+    weight[:] = 7  # the caller's array, edited after build
+    assert (g.weights["fc.weight"] == 1).all()
+    with pytest.raises(ValueError, match="read-only"):
+        g.weights["fc.weight"][0, 0] = 5
+    bias_free = {"fc.weight": np.full((3, 4), 2, "float32")}
+    h = g.with_weights(bias_free)
+    bias_free["fc.weight"] += 1
+    assert (h.weights["fc.weight"] == 2).all()
+    assert g.with_weights(g.weights).weights["fc.weight"] is g.weights["fc.weight"]  # already owned: shared

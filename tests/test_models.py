@@ -61,16 +61,40 @@ def test_same_seed_same_weights_and_inputs(name):
 
 def test_build_with_given_weights_uses_them():
     weights = {k: v + 1 for k, v in models.get("mmoe").init_weights(models.config("mmoe"), 7).items()}
-    graph = models.build("mmoe", weights={k: v.tolist() for k, v in weights.items()})
+    graph = models.build("mmoe", weights=weights)
     assert all(np.array_equal(graph.weights[k], weights[k]) for k in weights)
 
 
-def test_a_torch_state_dict_loads_as_it_is():
-    torch = pytest.importorskip("torch")
-    cfg = models.config("lstm", "tiny")
-    lstm = torch.nn.LSTM(cfg["input_size"], cfg["hidden_size"], cfg["num_layers"])
-    graph = models.build("lstm", weights=lstm.state_dict())
-    assert np.array_equal(graph.weights["weight_hh_l2"], lstm.weight_hh_l2.detach().numpy())
+def test_given_weights_must_be_a_mapping_of_arrays():
+    weights = models.build("mmoe").weights
+    with pytest.raises(WeightError, match=re.escape(
+            "weights must be a mapping from parameter name to array (a dict or a PyTorch state_dict), not a list")):
+        models.build("mmoe", weights=list(weights.values()))
+    with pytest.raises(WeightError, match=re.escape(
+            "weight 'gates.0.bias' of 'mmoe' is a list: a weight must be a numpy array or a torch tensor")):
+        models.build("mmoe", weights={**weights, "gates.0.bias": weights["gates.0.bias"].tolist()})
+
+
+def test_a_weight_that_float32_cannot_hold_is_named():
+    weights = models.build("mmoe").weights
+    with pytest.raises(WeightError, match=re.escape(
+            "weight 'gates.0.bias' of 'mmoe': 3 int64 values cannot be held exactly by float32 (the first: 16777217)")):
+        models.build("mmoe", weights={**weights, "gates.0.bias": np.full(3, 2**24 + 1)})
+    with pytest.raises(WeightError, match=re.escape(
+            "weight 'gates.0.bias' of 'mmoe': 3 float64 values overflow float32, whose largest is 3.40282e+38 (the first: 1e+300)")):
+        models.build("mmoe", weights={**weights, "gates.0.bias": np.full(3, 1e300)})
+    small_ints = models.build("mmoe", weights={**weights, "gates.0.bias": np.array([1, -2, 3])})
+    assert small_ints.weights["gates.0.bias"].tolist() == [1.0, -2.0, 3.0]
+
+
+def test_the_graph_keeps_its_own_copy_of_given_weights():
+    weights = {k: v.copy() for k, v in models.build("mmoe").weights.items()}
+    graph = models.build("mmoe", weights=weights)
+    before = graph.weights["gates.0.weight"].copy()
+    weights["gates.0.weight"] *= 2
+    assert np.array_equal(graph.weights["gates.0.weight"], before)
+    with pytest.raises(ValueError, match="read-only"):
+        graph.weights["gates.0.weight"] *= 2
 
 
 @pytest.mark.parametrize("name", models.MODELS)

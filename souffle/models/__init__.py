@@ -23,7 +23,7 @@ from types import ModuleType
 
 import numpy as np
 
-from souffle.errors import SouffleError, UnknownModelError
+from souffle.errors import SouffleError, UnknownModelError, WeightError
 from souffle.graph import Graph
 
 MODELS = ("lstm", "bert", "resnext", "mmoe")
@@ -46,8 +46,9 @@ def config(name: str, config: str = "tiny") -> dict:
 def build(name: str, config: str = "tiny", seed: int = 0, weights: Mapping[str, object] | None = None) -> Graph:
     """Model ``name`` as a Graph with random weights from ``seed``, or with ``weights``.
 
-    ``weights`` may be any mapping of array-likes, e.g. a PyTorch ``state_dict``; keys ending
-    in the model's ``IGNORED_SUFFIXES`` are dropped, everything else must match exactly.
+    ``weights`` maps names to numpy arrays or torch tensors, e.g. a PyTorch ``state_dict``; keys
+    ending in the model's ``IGNORED_SUFFIXES`` are dropped, everything else must match exactly
+    (``Graph.with_weights`` says how the arrays may convert to the parameters' dtypes).
     """
     module = get(name)
     cfg = _config(name, config)
@@ -77,7 +78,10 @@ def reference(name: str, config: str, weights: Mapping[str, object]) -> Callable
             "the PyTorch reference needs torch; install it with `pip install torch==2.13.0`"
         ) from None
     module = get(name)
-    return module.torch_reference(_config(name, config), _parameters(module, weights))
+    cfg = _config(name, config)
+    # the weights the compiled model would get: checked and converted as the graph converts them
+    checked = module.build_graph(cfg, _parameters(module, weights)).weights
+    return module.torch_reference(cfg, checked)
 
 
 def tolerance(name: str, config: str = "tiny") -> tuple[float, float]:
@@ -95,18 +99,12 @@ def _config(name: str, config: str) -> dict:
     return dict(configs[config])
 
 
-def _parameters(module: ModuleType, weights: Mapping[str, object]) -> dict[str, np.ndarray]:
-    """Weights as numpy arrays, without the keys the model ignores (buffers)."""
+def _parameters(module: ModuleType, weights: Mapping[str, object]) -> dict[str, object]:
+    """The given weights without the keys the model ignores (buffers)."""
+    if not isinstance(weights, Mapping):
+        raise WeightError(
+            f"weights must be a mapping from parameter name to array (a dict or a PyTorch state_dict), "
+            f"not a {type(weights).__name__}"
+        )
     ignored = tuple(module.IGNORED_SUFFIXES)
-    return {
-        key: _to_numpy(value)
-        for key, value in weights.items()
-        if not (ignored and key.endswith(ignored))
-    }
-
-
-def _to_numpy(value: object) -> np.ndarray:
-    """An array-like (numpy, list, torch tensor on any device) as a numpy array."""
-    if hasattr(value, "detach"):
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
+    return {key: value for key, value in weights.items() if not (ignored and key.endswith(ignored))}

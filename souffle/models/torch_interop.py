@@ -13,6 +13,6 @@ def load_weights(module, weights: Mapping[str, object], ignored_suffixes: tuple[
     import torch
 
     state = {k: v for k, v in module.state_dict().items() if ignored_suffixes and k.endswith(ignored_suffixes)}
-    state.update({k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()})
+    state.update({k: torch.tensor(np.asarray(v)) for k, v in weights.items()})  # a copy: graph weights are read-only
     module.load_state_dict(state, strict=True)
     return module.eval()
