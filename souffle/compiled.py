@@ -9,6 +9,7 @@ on-chip weights and partition are what the passes said they did.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,12 @@ class Report:
         return "\n".join(lines)
 
 
+def check_count(value, name: str, minimum: int):
+    """Refuse a benchmark's count of runs below ``minimum``: zero timed runs leave no time to report."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
 def _wrapped(parts: list[str], width: int = 80) -> str:
     """``parts`` joined by ", ", continued on lines indented under the report's values."""
     lines = [parts[0]] if parts else [""]
@@ -103,6 +110,11 @@ class CompiledModel:
 
     def _checked_inputs(self, inputs: dict) -> list[np.ndarray]:
         expected = {s.name: s for s in self.graph.inputs}
+        if not isinstance(inputs, Mapping):
+            raise InputError(
+                f"{self.graph.name}: run takes a dict of the named inputs {list(expected)}, not a "
+                f"{type(inputs).__name__}; m(x) takes the inputs as positional arrays"
+            )
         missing = [n for n in expected if n not in inputs]
         extra = [n for n in inputs if n not in expected]
         if missing or extra:
@@ -195,6 +207,8 @@ class CpuModel(CompiledModel):
 
     def benchmark(self, inputs: dict, repeat: int = 10, number: int = 1) -> list[float]:
         """Seconds per run, ``repeat`` samples after one warm-up, timed by TVM's evaluator."""
+        check_count(repeat, "repeat", 1)
+        check_count(number, "number", 1)
         args, _ = self._arguments(inputs)
         evaluator = self._executable.mod.time_evaluator("main", self._device, number=number, repeat=repeat,
                                                         min_repeat_ms=0)

@@ -9,7 +9,7 @@ cuda-python and launches it cooperatively, sizing the grid with the driver's occ
 
 from __future__ import annotations
 
-from souffle.compiled import CompiledModel, Report
+from souffle.compiled import CompiledModel, Report, check_count
 from souffle.passes import PipelineRun
 from souffle.runtime.artifact import KernelArtifact, Launcher, TensorSlot
 
@@ -73,8 +73,8 @@ class CudaModel(CompiledModel):
     def run(self, inputs: dict):
         import time
 
+        arrays = self._shaped_inputs(inputs)  # before the launcher: bad inputs are refused without a GPU
         launcher = self._launcher()
-        arrays = self._shaped_inputs(inputs)
         start = time.perf_counter()
         outputs = launcher.run(arrays)
         self._last_run = time.perf_counter() - start
@@ -82,7 +82,10 @@ class CudaModel(CompiledModel):
 
     def benchmark(self, inputs: dict, repeat: int = 50, number: int = 1, warmup: int = 5) -> list[float]:
         """Seconds per inference from CUDA events, ``repeat`` runs after ``warmup``."""
-        return self._launcher().benchmark(self._shaped_inputs(inputs), repeat=repeat, warmup=warmup)
+        arrays = self._shaped_inputs(inputs)
+        check_count(repeat, "repeat", 1)
+        check_count(warmup, "warmup", 0)
+        return self._launcher().benchmark(arrays, repeat=repeat, warmup=warmup)
 
     def _shaped_inputs(self, inputs: dict) -> list:
         """The inputs in the graph's order and shapes, as the launcher takes them."""

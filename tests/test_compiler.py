@@ -54,6 +54,27 @@ def test_bad_inputs_are_named(mlp):
         model(np.zeros((2, 8), "float32"), np.zeros((2, 8), "float32"))
 
 
+def test_run_takes_a_dict_of_named_inputs(mlp):
+    _, model = mlp
+    x = np.zeros((2, 8), "float32")
+    for given, kind in (([x], "list"), (x, "ndarray")):
+        with pytest.raises(InputError, match=re.escape(
+                f"mlp: run takes a dict of the named inputs ['x'], not a {kind}; "
+                "m(x) takes the inputs as positional arrays")):
+            model.run(given)
+
+
+@pytest.mark.parametrize("counts, message", [
+    ({"repeat": 0}, "repeat must be an integer >= 1, got 0"),
+    ({"number": 0}, "number must be an integer >= 1, got 0"),
+    ({"repeat": 2.5}, "repeat must be an integer >= 1, got 2.5"),
+])
+def test_benchmark_needs_a_whole_positive_number_of_runs(mlp, counts, message):
+    _, model = mlp
+    with pytest.raises(InputError, match=re.escape(message)):
+        model.benchmark({"x": np.zeros((2, 8), "float32")}, **counts)
+
+
 def test_bad_targets_and_graphs(mlp):
     graph, _ = mlp
     with pytest.raises(TargetError, match="unknown target 'metal'"):
