@@ -6,6 +6,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -16,14 +17,20 @@ def _compile(args) -> int:
     import souffle
     from souffle import models
 
-    if args.emit_source and args.target != "cuda":
-        raise SouffleError(f"--emit-source writes CUDA source: it needs --target cuda, not {args.target!r}")
-    graph = models.build(args.model, config=args.config, seed=args.seed)
+    if args.repeat < 1:
+        raise SouffleError(f"--repeat is the number of timed runs: it must be at least 1, got {args.repeat}")
+    if args.emit_source:
+        if args.target != "cuda":
+            raise SouffleError(f"--emit-source writes CUDA source: it needs --target cuda, not {args.target!r}")
+        _check_writable_file(args.emit_source, "--emit-source")
+    graph = models.build(args.model, config=args.config, seed=args.seed)  # refuses a seed numpy does not take
     compiled = souffle.compile(graph, target=args.target, device=args.device, threads=args.threads,
                                opt_level=args.opt_level, dump_ir=args.dump_ir, print_after=args.print_after)
     if args.emit_source:
-        with open(args.emit_source, "w") as out:
-            out.write(compiled.source)
+        try:
+            Path(args.emit_source).write_text(compiled.source)
+        except OSError as err:
+            raise SouffleError(f"--emit-source {args.emit_source}: cannot write it: {err.strerror}") from None
     if args.no_run:
         print(json.dumps(compiled.report().to_dict(), indent=2, default=str) if args.json else compiled.report())
         return 0
@@ -50,6 +57,15 @@ def _compile(args) -> int:
     else:
         print(report)
     return status
+
+
+def _check_writable_file(path: str, option: str):
+    """Refuse, before compiling, a file path that cannot be written: a directory, or in a missing one."""
+    file = Path(path)
+    if file.is_dir():
+        raise SouffleError(f"{option} {path}: is a directory, not a file")
+    if not file.parent.is_dir():
+        raise SouffleError(f"{option} {path}: directory {str(file.parent)!r} does not exist")
 
 
 def _analyze(args) -> int:

@@ -40,6 +40,9 @@ def test_explain_prints_graph_and_te_program(capsys):
     (["compile", "mmoe", "--target", "cuda", "--opt-level", "1", "--print-after", "vertical"],
      "cannot print after 'vertical': it runs from opt level 2, and this compile is at O1"),
     (["passes", "--target", "tpu"], "unknown target 'tpu'"),
+    (["compile", "mmoe", "--repeat", "0"], "--repeat is the number of timed runs: it must be at least 1, got 0"),
+    (["compile", "mmoe", "--seed", "-1"],
+     "seed must be a non-negative integer (numpy's random generator takes no other), got -1"),
 ])
 def test_bad_arguments_exit_2_with_a_reason(capsys, argv, message):
     assert main(argv) == 2
@@ -53,6 +56,18 @@ def test_cuda_compile_without_running_prints_the_kernel_report(capsys, tmp_path)
     out = capsys.readouterr().out
     assert "kernels        1" in out and "co-residency   h200:" in out and "grid barriers  0 (0 executed)" in out
     assert source.read_text().count("__global__") == 2  # one kernel: its declaration and definition
+
+
+def test_emit_source_that_cannot_be_written_is_refused_before_compiling(capsys, tmp_path, monkeypatch):
+    import souffle
+
+    monkeypatch.setattr(souffle, "compile", lambda *args, **kwargs: pytest.fail("compiled before refusing"))
+    missing = tmp_path / "missing" / "x.cu"
+    assert main(["compile", "mmoe", "--target", "cuda", "--no-run", "--emit-source", str(missing)]) == 2
+    assert capsys.readouterr().err == (f"souffle: error: --emit-source {missing}: "
+                                       f"directory '{missing.parent}' does not exist\n")
+    assert main(["compile", "mmoe", "--target", "cuda", "--no-run", "--emit-source", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"souffle: error: --emit-source {tmp_path}: is a directory, not a file\n"
 
 
 @pytest.mark.skipif(gpu_available(), reason="checks the behaviour on a machine without a GPU")

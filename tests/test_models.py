@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from souffle import models
-from souffle.errors import SouffleError, UnknownModelError, WeightError
+from souffle.errors import InputError, SouffleError, UnknownModelError, WeightError
 from souffle.graph import Graph
 
 
@@ -95,6 +95,35 @@ def test_the_graph_keeps_its_own_copy_of_given_weights():
     assert np.array_equal(graph.weights["gates.0.weight"], before)
     with pytest.raises(ValueError, match="read-only"):
         graph.weights["gates.0.weight"] *= 2
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "0"])
+def test_a_seed_numpy_does_not_take_is_refused(seed):
+    message = re.escape(f"seed must be a non-negative integer (numpy's random generator takes no other), got {seed!r}")
+    with pytest.raises(InputError, match=message):
+        models.build("mmoe", seed=seed)
+    with pytest.raises(InputError, match=message):
+        models.make_inputs("mmoe", seed=seed)
+
+
+def test_a_torch_state_dict_loads_as_it_is():
+    torch = pytest.importorskip("torch")
+    cfg = models.config("lstm", "tiny")
+    lstm = torch.nn.LSTM(cfg["input_size"], cfg["hidden_size"], cfg["num_layers"])
+    graph = models.build("lstm", weights=lstm.state_dict())
+    assert np.array_equal(graph.weights["weight_hh_l2"], lstm.weight_hh_l2.detach().numpy())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_torch_state_dict_loads_exactly(dtype):
+    torch = pytest.importorskip("torch")
+    half = {k: torch.from_numpy(v.copy()).to(getattr(torch, dtype)) for k, v in models.build("mmoe").weights.items()}
+    graph = models.build("mmoe", weights=half)
+    assert all(graph.weights[k].dtype == np.float32 and np.array_equal(graph.weights[k], v.float().numpy())
+               for k, v in half.items())
+    inputs = models.make_inputs("mmoe")
+    for got, want in zip(models.reference("mmoe", "tiny", half)(inputs), models.reference("mmoe", "tiny", graph.weights)(inputs)):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("name", models.MODELS)

@@ -23,7 +23,7 @@ from types import ModuleType
 
 import numpy as np
 
-from souffle.errors import SouffleError, UnknownModelError, WeightError
+from souffle.errors import InputError, SouffleError, UnknownModelError, WeightError
 from souffle.graph import Graph
 
 MODELS = ("lstm", "bert", "resnext", "mmoe")
@@ -53,7 +53,7 @@ def build(name: str, config: str = "tiny", seed: int = 0, weights: Mapping[str, 
     module = get(name)
     cfg = _config(name, config)
     if weights is None:
-        weights = module.init_weights(cfg, seed)
+        weights = module.init_weights(cfg, _checked_seed(seed))
     else:
         weights = _parameters(module, weights)
     return module.build_graph(cfg, weights)
@@ -66,7 +66,7 @@ def structure(name: str, config: str = "tiny") -> Graph:
 
 def make_inputs(name: str, config: str = "tiny", seed: int = 0) -> dict[str, np.ndarray]:
     """Random inputs for model ``name``, keyed by the graph's input names."""
-    return get(name).make_inputs(_config(name, config), seed)
+    return get(name).make_inputs(_config(name, config), _checked_seed(seed))
 
 
 def reference(name: str, config: str, weights: Mapping[str, object]) -> Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]:
@@ -97,6 +97,13 @@ def _config(name: str, config: str) -> dict:
             f"unknown config {config!r} for model {name!r}; available: {', '.join(configs)}"
         )
     return dict(configs[config])
+
+
+def _checked_seed(seed) -> int:
+    """``seed`` if numpy's random generator takes it: a non-negative integer."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"seed must be a non-negative integer (numpy's random generator takes no other), got {seed!r}")
+    return int(seed)
 
 
 def _parameters(module: ModuleType, weights: Mapping[str, object]) -> dict[str, object]:
