@@ -36,6 +36,7 @@ import tvm
 from tvm import s_tir, sym, tirx
 from tvm.ir import Range
 from tvm.ir.expr import TensorLoad  # what a BufferLoad is in TVM 0.27
+from tvm_ffi import structural_equal
 
 from analysis.device import DeviceModel
 
@@ -410,6 +411,7 @@ def _schedule_tiled(sch: s_tir.Schedule, block, info: _BlockInfo, plan: _TilePla
     sch.vectorize(vector_inner)
     _inline_epilogues(sch, write_back)
     sch.reverse_compute_at(write_back, tile_loop)
+    _check_stores_inside(sch, write_back)
     _vectorize_innermost(sch, write_back)
     init = sch.decompose_reduction(block, reduce_loops[0])
     _vectorize_innermost(sch, init)
@@ -432,15 +434,77 @@ def _inline_epilogues(sch: s_tir.Schedule, write_back):
     """Fold element-wise consumers (bias, activation, a transposing copy) into the tile's
     write-back, so the result is stored once, already in its final form. Only a sole
     consumer: inlining redirects the store to its output, so any other consumer (e.g. the
-    slices of a horizontally fused GEMM) would read a buffer nothing writes."""
+    slices of a horizontally fused GEMM) would read a buffer nothing writes. And only one
+    that reads each element of the tile exactly once (see ``_reads_each_element_once``)."""
     while True:
         consumers = sch.get_consumers(write_back)
         if len(consumers) != 1 or _is_reduction(sch, consumers[0]):
+            return
+        buffer = sch.get(write_back).writes[0].source
+        if not _reads_each_element_once(sch, consumers[0], buffer):
             return
         try:
             sch.reverse_compute_inline(consumers[0])
         except s_tir.ScheduleError:
             return
+
+
+def _reads_each_element_once(sch: s_tir.Schedule, consumer, buffer: tirx.Buffer) -> bool:
+    """Whether ``consumer``'s iteration points and ``buffer``'s elements correspond one to one
+    (each point reads one element, every element is read): an element-wise op, a transpose
+    or a reshape. Folding any other consumer into the write-back is wrong or impossible:
+    one that reads part of the tile (a slice, a split) leaves TVM a ``T.where`` on the
+    folded store, which ``reverse_compute_at`` then drops, so the whole tile is stored into
+    the smaller output (past its end); a strided read makes TVM's inverse of the index map
+    fail with an internal error instead of a ScheduleError."""
+    info = _block_info(sch, consumer)
+    value = _stored_value(sch, consumer)
+    if info is None or info.reduces or value is None:
+        return False
+    loads = [node for node in _walk(value) if isinstance(node, TensorLoad) and node.source.same_as(buffer)]
+    if not loads or any(not structural_equal(list(load.indices), list(loads[0].indices)) for load in loads):
+        return False
+    # The map from the consumer's iterators to the indices it reads, unit iterators kept as
+    # TVM's reverse_compute_inline keeps them. Bijective: no two points read the same element.
+    domain = {it.var: Range(0, it.extent) for it in info.iters}
+    iter_map = sym.detect_iter_map(list(loads[0].indices), domain, check_level="bijective",
+                                   simplify_trivial_iterators=False)
+    if not iter_map.indices:
+        return False
+    return [_dense_extent(index) for index in iter_map.indices] == [int(dim) for dim in buffer.shape]
+
+
+def _dense_extent(index: sym.IterSumExpr) -> int | None:
+    """How many values an index of an iterator map counts through, 0, 1, 2, ... in order
+    (its splits' scales are 1 and each the product of the extents below it); None if it
+    skips values, which TVM cannot invert: a stride, even on an iterator of one point (the
+    slice ``0:1:2``), fails an internal check there."""
+    if not (isinstance(index.base, tirx.IntImm) and int(index.base) == 0):
+        return None
+    extent = 1
+    for split in sorted(index.args, key=lambda s: (int(s.scale), int(s.extent))):
+        if int(split.scale) != extent:
+            return None
+        extent *= int(split.extent)
+    return extent
+
+
+def _check_stores_inside(sch: s_tir.Schedule, block):
+    """Refuse a write-back that stores outside its buffer, over the iterators
+    ``reverse_compute_at`` gave it (which cover the whole tile, whatever ``T.where`` the block
+    had): an epilogue folded into it that covers less than the tile would otherwise write
+    past the end of its output, into the arena or the heap."""
+    stmt = sch.get(block)
+    analyzer = sym.Analyzer()
+    for iv in stmt.iter_vars:
+        analyzer.bind(iv.var, iv.dom)
+    store = stmt.body
+    for index, dim in zip(store.indices, store.buffer.shape):
+        bound = analyzer.const_int_bound(index)
+        if bound.min_value < 0 or bound.max_value >= int(dim):
+            raise AssertionError(f"CPU schedule: the write-back {stmt.name_hint!r} stores {store.buffer.name}"
+                                 f"{list(store.indices)} at {index} in [{bound.min_value}, {bound.max_value}],"
+                                 f" outside its shape {list(store.buffer.shape)}")
 
 
 def _vectorize_innermost(sch: s_tir.Schedule, block):

@@ -1,0 +1,208 @@
+"""Regressions of the CPU path (target "llvm") that a random-graph fuzzer found (issue 14):
+a GEMM whose sole consumer is a slice or a split, a rank-0 reduction, and a graph whose
+output is one of its inputs or weights. A case that once corrupted the heap runs in a
+subprocess, so an abort fails its test instead of killing pytest."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from tvm import s_tir, sym, te, tirx, topi
+from tvm.ir import Range
+
+import codegen.schedule_cpu
+import souffle
+from analysis.device import local_cpu
+from codegen.schedule_cpu import schedule_cpu
+from souffle.compiler import run_passes
+from souffle.graph import GraphBuilder
+from souffle.ops.packed import dense_packed
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- a GEMM, then a slice or a split -------------------------------------------------------------
+def _gemm(b: GraphBuilder, kind: str, x: str, x_value: np.ndarray, features: int, weight: str,
+          rng) -> tuple[str, np.ndarray]:
+    """A ``kind`` op (dense, matmul or a 3x3 conv2d) of ``x`` with ``features`` outputs and
+    a random ``weight``, and its value."""
+    inputs = x_value.shape[1]
+    if kind == "dense":
+        w = rng.standard_normal((features, inputs)).astype("float32")
+        return b.op("dense", x, b.param(weight, w)), x_value @ w.T
+    if kind == "matmul":
+        w = rng.standard_normal((inputs, features)).astype("float32")
+        return b.op("matmul", x, b.param(weight, w)), x_value @ w
+    w = rng.standard_normal((features, inputs, 3, 3)).astype("float32")
+    padded = np.pad(x_value, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(2, 3))
+    return b.op("conv2d", x, b.param(weight, w), padding=1), np.einsum("nchwrs,ocrs->nohw", windows, w)
+
+
+def _consumers(kind: str, rows: int, features: int) -> list[tuple[str, dict]]:
+    """Slices and splits of a GEMM's output: along its output features (the tile's vector axis)
+    to fewer of them, at an offset, strided, and along another axis (strided even when that
+    axis has one point, which reads it all, but as ``2 * i``)."""
+    feature_axis = 1
+    other_axis, others = (3, 4) if kind == "conv2d" else (0, rows)
+    consumers = [
+        ("slice", {"begin": [0], "end": [features // 2], "axis": [feature_axis]}),
+        ("slice", {"begin": [0], "end": [1], "axis": [feature_axis]}),
+        ("slice", {"begin": [1], "end": [features - 1], "axis": [feature_axis]}),
+        ("slice", {"begin": [0], "end": [features], "axis": [feature_axis], "strides": [2]}),
+        ("split", {"sections": 2, "axis": feature_axis}),
+        ("slice", {"begin": [0], "end": [others], "axis": [other_axis], "strides": [2]}),
+    ]
+    if others == 4:
+        consumers.append(("slice", {"begin": [1], "end": [3], "axis": [other_axis]}))
+    return consumers
+
+
+def _numpy(value: np.ndarray, kind: str, attrs: dict) -> list[np.ndarray]:
+    if kind == "split":
+        return np.split(value, attrs["sections"], axis=attrs["axis"])
+    index = [slice(None)] * value.ndim
+    strides = attrs.get("strides") or [1] * len(attrs["axis"])
+    for axis, begin, end, stride in zip(attrs["axis"], attrs["begin"], attrs["end"], strides):
+        index[axis] = slice(begin, end, stride)
+    return [value[tuple(index)]]
+
+
+def _gemm_then_slices(kind: str, rows: int, features: int, consumers=None):
+    """One graph of independent chains ``x -> kind -> consumer`` (each GEMM with that sole
+    consumer, so its tile's write-back may take it in), its input and the expected outputs."""
+    rng = np.random.default_rng(features)
+    b = GraphBuilder(f"{kind}_{rows}x{features}")
+    shape = (1, 8, 4, 4) if kind == "conv2d" else (rows, 16)
+    x_value = rng.standard_normal(shape).astype("float32")
+    x = b.input("x", shape)
+    outputs, expected = [], []
+    for k, (consumer, attrs) in enumerate(consumers or _consumers(kind, rows, features)):
+        y, y_value = _gemm(b, kind, x, x_value, features, f"w{k}", rng)
+        out = b.op(consumer, y, **attrs)
+        outputs += [out] if isinstance(out, str) else list(out)
+        expected += _numpy(y_value, consumer, attrs)
+    return b.build(*outputs), x_value, expected
+
+
+def check_gemm_then_slices(cases):
+    """Compile and run each (kind, rows, features) graph of ``_gemm_then_slices``; raise on a
+    wrong output. Run in a subprocess by the tests below."""
+    for kind, rows, features, consumers in cases:
+        graph, x, expected = _gemm_then_slices(kind, rows, features, consumers)
+        got = souffle.compile(graph, target="llvm").run({"x": x})
+        for name, g, e in zip(graph.outputs, got, expected):
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4, err_msg=f"{graph.name}: {name}")
+
+
+def _in_subprocess(cases):
+    code = ("import sys\n"
+            f"sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+            "from test_cpu_regressions import check_gemm_then_slices\n"
+            f"check_gemm_then_slices({cases!r})\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-3000:]}"
+
+
+def test_dense_then_a_narrower_slice_runs_and_matches_numpy():
+    """The fuzzer's repro: x (1,16) -> dense (16x16) -> columns 0:8 aborted the process
+    ("double free or corruption"); 32->8, 8->4, 64->1 too; 16->15 wrote past the output silently."""
+    _in_subprocess([("dense", 1, features, [("slice", {"begin": [0], "end": [end], "axis": [1]})])
+                    for features, end in [(16, 8), (32, 8), (8, 4), (64, 1), (16, 15)]])
+
+
+@pytest.mark.parametrize("rows", [4, 1])
+def test_dense_then_a_strided_slice_compiles(rows):
+    """x (4,16) -> dense -> rows ::2 failed with TVM's CanProveEqual(IntegerAbs(source->scale), 1);
+    so did rows 0:1:2 of one row, a copy of them all, read at 2 * i."""
+    check_gemm_then_slices([("dense", rows, 16, [("slice", {"begin": [0], "end": [rows], "axis": [0], "strides": [2]})])])
+
+
+SWEEP = [(kind, rows, features) for kind, rows in [("dense", 1), ("dense", 4), ("matmul", 4), ("conv2d", 1)]
+         for features in (8, 16, 24, 64)]
+
+
+def test_gemms_then_slices_and_splits_sweep():
+    """Dense as a GEMV and as a GEMM, matmul and conv2d, then every consumer of ``_consumers``:
+    all compile and match numpy (a grid of widths; the whole of ``SWEEP`` is the slow test's)."""
+    _in_subprocess([("dense", 1, 8, None), ("dense", 1, 64, None), ("dense", 4, 16, None),
+                    ("matmul", 4, 24, None), ("conv2d", 1, 16, None)])
+
+
+@pytest.mark.slow
+def test_gemms_then_slices_and_splits_full_sweep():
+    _in_subprocess([(kind, rows, features, None) for kind, rows, features in SWEEP])
+
+
+# -- the written extents -------------------------------------------------------------------------
+def stores_outside(func: tirx.PrimFunc) -> list[str]:
+    """Every store of ``func`` whose index can leave its buffer's shape, over the loops
+    around it (and the conditions it sits under), as "buffer[shape]: index in [min, max]"."""
+    lowered = tvm.transform.Sequential([s_tir.transform.LowerInitBlock(), s_tir.transform.ConvertBlocksToOpaque(),
+                                        s_tir.transform.LowerOpaqueBlock()])(tvm.IRModule({"main": func}))["main"]
+    analyzer = sym.Analyzer()
+    found = []
+
+    def visit(stmt):
+        if isinstance(stmt, tirx.SeqStmt):
+            for child in stmt.seq:
+                visit(child)
+        elif isinstance(stmt, tirx.For):
+            analyzer.bind(stmt.loop_var, Range.from_min_extent(stmt.min, stmt.extent))
+            visit(stmt.body)
+        elif isinstance(stmt, tirx.IfThenElse):
+            with analyzer.constraint_scope(stmt.condition):
+                visit(stmt.then_case)
+            if stmt.else_case is not None:
+                with analyzer.constraint_scope(tirx.Not(stmt.condition)):
+                    visit(stmt.else_case)
+        elif isinstance(stmt, tirx.BufferStore):
+            for index, dim in zip(stmt.indices, stmt.buffer.shape):
+                bound = analyzer.const_int_bound(index)
+                if bound.min_value < 0 or bound.max_value >= int(dim):
+                    found.append(f"{stmt.buffer.name}{list(stmt.buffer.shape)}: {index} in "
+                                 f"[{bound.min_value}, {bound.max_value}]")
+        elif getattr(stmt, "body", None) is not None:
+            visit(stmt.body)
+
+    visit(lowered.body)
+    return found
+
+
+@pytest.mark.parametrize("kind, rows, features", SWEEP)
+def test_every_store_of_a_gemm_then_slices_stays_inside_its_buffer(kind, rows, features):
+    graph, _, _ = _gemm_then_slices(kind, rows, features)
+    func = run_passes(graph, "llvm", stop="stitch").ir.func
+    assert stores_outside(func) == []
+
+
+def test_the_extents_check_sees_a_store_past_the_end():
+    """A 16-wide loop storing into an 8-wide buffer, as the write-back of issue 14 did."""
+    out = tirx.decl_buffer((1, 8), "float32", name="out")
+    j = tirx.Var("j", "int32")
+    store = tirx.BufferStore(out, tirx.const(0.0, "float32"), [tirx.const(0, "int32"), j])
+    func = tirx.PrimFunc([out], tirx.For(j, 0, 16, tirx.ForKind.SERIAL, store))
+    assert stores_outside(func) == ["out[1, 8]: j in [0, 15]"]
+    assert stores_outside(func.with_body(tirx.For(j, 0, 8, tirx.ForKind.SERIAL, store))) == []
+
+
+def test_a_write_back_that_would_store_outside_its_output_is_refused(monkeypatch):
+    """Without the rule that only a consumer reading each element of the tile once is folded
+    into it, the slice would be folded and the scheduler's check refuses the result."""
+    monkeypatch.setattr(codegen.schedule_cpu, "_reads_each_element_once", lambda *args: True)
+    x, w = te.placeholder((1, 16), name="x"), te.placeholder((1, 16, 16), name="w")
+    sliced = topi.strided_slice(dense_packed([x, w]), [0], [8], [1], axes=[1])
+    with pytest.raises(AssertionError, match=r"write-back 'dense_packed_local' stores .* outside its shape \[1, 8\]"):
+        schedule_cpu(te.create_prim_func([x, w, sliced]), local_cpu())
+
+
+def test_element_wise_epilogues_are_still_folded_into_the_write_back():
+    """Bias, activation and a transposing copy read each element of the tile once: folded."""
+    x, w, bias = te.placeholder((4, 16), name="x"), te.placeholder((1, 16, 16), name="w"), te.placeholder((16,), name="b")
+    y = topi.transpose(topi.nn.relu(dense_packed([x, w, bias])), [1, 0])
+    text = schedule_cpu(te.create_prim_func([x, w, bias, y]), local_cpu()).script()
+    assert 'T.sblock("T_relu")' not in text and 'T.sblock("T_transpose")' not in text
+
