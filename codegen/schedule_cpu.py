@@ -546,12 +546,14 @@ def _schedule_rfactor(sch: s_tir.Schedule, block, info: _BlockInfo, lanes: int):
     loops = sch.get_loops(block)
     _, lane = sch.split(loops[info.reduces[-1]], [None, lanes])
     partial = sch.rfactor(lane, factor_axis=len(info.spatial))
-    loops = sch.get_loops(partial)
-    spatial = loops[: len(info.spatial)]
+    sch.vectorize(sch.get_loops(partial)[-1])
+    if not info.spatial:  # a reduction to one value: both run once, serial
+        sch.decompose_reduction(partial, sch.get_loops(partial)[0])
+        return
+    spatial = sch.get_loops(partial)[: len(info.spatial)]
     outer = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
     if info.work >= PARALLEL_MIN_WORK and (_const_extent(sch, outer) or 0) >= 2:
         sch.parallel(outer)
-    sch.vectorize(sch.get_loops(partial)[-1])
     sch.reverse_compute_at(block, outer)
     sch.decompose_reduction(partial, sch.get_loops(partial)[1])
 
@@ -596,10 +598,20 @@ def _blocks(sch: s_tir.Schedule) -> list:
     return list(sch.get_child_blocks(sch.get_sblock("root")))
 
 
+def _loop_every_block(sch: s_tir.Schedule):
+    """Give a block with no loop (``te.create_prim_func`` makes one for a rank-0 tensor) a
+    loop of one iteration, as the rules assume; without it TVM's ``rfactor`` of a reduction
+    in the same scope fails an internal check on the loop-less block."""
+    for block in _blocks(sch):
+        if not sch.get_loops(block):
+            sch.add_unit_loop(block)
+
+
 def schedule_cpu(func: tirx.PrimFunc, device: DeviceModel) -> tirx.PrimFunc:
     """A CPU schedule for one region's PrimFunc, for the CPU ``device`` describes."""
     cpu = _Cpu(device.vector_lanes, device.smem_per_block or DEFAULT_L2_BYTES)
     sch = s_tir.Schedule(func)
+    _loop_every_block(sch)
     _inline_producers(sch)
     for block in _blocks(sch):  # layouts first, so producers are scheduled for their new layout
         info = _block_info(sch, block)

@@ -206,3 +206,42 @@ def test_element_wise_epilogues_are_still_folded_into_the_write_back():
     text = schedule_cpu(te.create_prim_func([x, w, bias, y]), local_cpu()).script()
     assert 'T.sblock("T_relu")' not in text and 'T.sblock("T_transpose")' not in text
 
+
+# -- reductions to one value ---------------------------------------------------------------------
+def _single_op(kind, shape, *params, **attrs):
+    b = GraphBuilder(kind)
+    x = b.input("x", shape)
+    return b.build(b.op(kind, x, *(b.param(f"p{k}", p) for k, p in enumerate(params)), **attrs))
+
+
+@pytest.mark.parametrize("shape", [(64,), (64, 64), (7,), (3, 5)])
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_mean_of_every_axis_matches_numpy(shape, keepdims):
+    """mean with axes=None raised TVM's block_realize == old_block_realize_ in rfactor: the
+    division after the sum is a block with no loop, which TVM's rfactor does not expect."""
+    x = np.random.default_rng(0).standard_normal(shape).astype("float32")
+    got = souffle.compile(_single_op("mean", shape, keepdims=keepdims), target="llvm")(x)
+    np.testing.assert_allclose(got, x.mean(keepdims=keepdims), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("length", [64, 7])
+def test_softmax_and_layer_norm_of_a_vector_match_torch(length):
+    """On a 1-D tensor, softmax raised an IndexError and layer_norm the rfactor error above."""
+    import torch
+
+    rng = np.random.default_rng(1)
+    x, gamma, beta = (rng.standard_normal(length).astype("float32") for _ in range(3))
+    got = souffle.compile(_single_op("softmax", (length,)), target="llvm")(x)
+    np.testing.assert_allclose(got, torch.softmax(torch.from_numpy(x), 0).numpy(), rtol=1e-5, atol=1e-6)
+    got = souffle.compile(_single_op("layer_norm", (length,), gamma, beta), target="llvm")(x)
+    want = torch.nn.functional.layer_norm(torch.from_numpy(x), (length,), torch.from_numpy(gamma),
+                                          torch.from_numpy(beta), eps=1e-5)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_reduction_to_one_value_is_vectorized():
+    """The sum of (64, 64) is vector partial sums along the rows, then a sum of the lanes."""
+    x = te.placeholder((64, 64), name="x")
+    text = schedule_cpu(te.create_prim_func([x, topi.sum(x)]), local_cpu()).script()
+    assert "x_red_rf" in text and "T.vectorized(8)" in text
+
