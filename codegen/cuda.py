@@ -25,7 +25,8 @@ from tvm import tirx
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from codegen.schedule import WARP
 from codegen.staged import Loop, StagedProgram, loops_in, stages_in
-from codegen.tiled import on_chip_loads, parameters_used, seq, slot_views, tiled_stage
+from codegen.stitch import seq
+from codegen.tiled import on_chip_loads, parameters_used, slot_views, tiled_stage
 from souffle.errors import TargetError
 from souffle.runtime.cuda import KernelResources, compile_cubin
 

@@ -11,7 +11,8 @@ from tvm import tirx
 
 from codegen.cpu_math import register_llvm_math
 from codegen.staged import Loop, StagedProgram, synchronized
-from codegen.tiled import on_chip_loads, seq, slot_views, tiled_stage
+from codegen.stitch import seq
+from codegen.tiled import on_chip_loads, slot_views, tiled_stage
 
 PERSISTENT_CPU_GRID = 1056  # blocks the CPU run of the staged program uses at most (H200: 132 SMs x 8)
 

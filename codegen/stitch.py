@@ -63,6 +63,12 @@ class Arena:
 ARENA_ALIGN = 16  # elements; 64 bytes of float32, one cache line
 
 
+def seq(stmts: list[tirx.Stmt]) -> tirx.Stmt:
+    """Statements in order (TVM refuses a sequence of one: a model whose only statement is
+    one copy, as when its output is one of its inputs)."""
+    return stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts)
+
+
 def align(n: int, elements: int = ARENA_ALIGN) -> int:
     """``n`` rounded up to a whole number of ``elements`` (where an arena tensor may start)."""
     return (n + elements - 1) // elements * elements
@@ -134,7 +140,7 @@ class Stitcher:
         return [tirx.SeqStmt(decls + [func.body])]
 
     def make_loop(self, var: tirx.Var, trips: int, body: list, name: str):
-        return tirx.For(var, 0, trips, tirx.ForKind.SERIAL, tirx.SeqStmt(body))
+        return tirx.For(var, 0, trips, tirx.ForKind.SERIAL, seq(body))
 
     def program(self, program: TEProgram, refs: dict[str, BufferRef]) -> list:
         self.place_carry_inits(program, refs)
@@ -272,6 +278,6 @@ def stitch(program: TEProgram, scheduler: Scheduler) -> StitchedProgram:
     # an output) its own alias tag, and LLVM then moves a consumer's load above the store
     # that a producer made through another view of the same memory (stale results;
     # tests/test_stitch.py's poisoned-arena runs catch it).
-    func = tirx.PrimFunc(params, tirx.SeqStmt(stmts)).with_attr("global_symbol", "main")
+    func = tirx.PrimFunc(params, seq(stmts)).with_attr("global_symbol", "main")
     return StitchedProgram(func, list(program.graph.inputs), weights, program.graph.output_specs(),
                            dict(st.arena.sizes))

@@ -14,11 +14,6 @@ from codegen.staged import OnChip, Stage, StagedProgram, stages_in
 from codegen.stitch import BufferRef
 
 
-def seq(stmts: list[tirx.Stmt]) -> tirx.Stmt:
-    """Statements in order (TVM refuses a sequence of one)."""
-    return stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts)
-
-
 def slot_views(staged: StagedProgram, items: list | None = None) -> list[tirx.Stmt]:
     """Each slot ``items`` (by default the whole program) use, declared as a view into its
     arena at its planned offset."""

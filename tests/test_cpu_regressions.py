@@ -245,3 +245,22 @@ def test_a_reduction_to_one_value_is_vectorized():
     text = schedule_cpu(te.create_prim_func([x, topi.sum(x)]), local_cpu()).script()
     assert "x_red_rf" in text and "T.vectorized(8)" in text
 
+
+# -- an output that is an input or a weight ------------------------------------------------------
+@pytest.mark.parametrize("target", ["llvm", "llvm-persistent"])
+@pytest.mark.parametrize("output", ["x", "w"])
+def test_a_graph_whose_only_output_is_its_input_or_weight(target, output):
+    """On llvm the one statement, a copy, made TVM refuse a SeqStmt of length 1."""
+    w = np.arange(12, dtype="float32").reshape(3, 4)
+    b = GraphBuilder("alias")
+    x = b.input("x", (3, 4))
+    b.param("w", w)
+    x_value = np.random.default_rng(2).standard_normal((3, 4)).astype("float32")
+    got = souffle.compile(b.build(output), target=target)(x_value)
+    np.testing.assert_array_equal(got, x_value if output == "x" else w)
+
+
+def test_a_graph_whose_only_output_is_its_input_compiles_for_cuda():
+    b = GraphBuilder("alias")
+    model = souffle.compile(b.build(b.input("x", (3, 4))), target="cuda")
+    assert model.kernel_count == 1
