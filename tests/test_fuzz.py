@@ -1,0 +1,184 @@
+"""The differential fuzzer (tests/fuzzing.py): a fixed range of seeds on every target and level,
+and the fuzzer's own parts tested with mutants (a wrong reference, a crashing worker, a fake
+failure to minimize)."""
+
+import os
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from codegen.cpu_transforms import pack_weights
+from souffle.graph import Op
+from souffle.ops import REGISTRY
+from tests.fuzzing import (
+    CRASH,
+    MAKERS,
+    MISMATCH,
+    PACKED_KINDS,
+    REFERENCE,
+    TIMEOUT,
+    Case,
+    Config,
+    ConfigResult,
+    Source,
+    Task,
+    WorkerPool,
+    check_config,
+    compare,
+    configs,
+    fuzz,
+    generate,
+    materialize,
+    minimize,
+    minimize_failures,
+    repro,
+    structure,
+)
+
+# Sized to take about 2-3 minutes on 2 cores (each graph is compiled for llvm and for
+# llvm-persistent at O0-O4).
+FIXED_SEEDS = range(0, 20)
+
+
+def test_every_registered_op_has_a_maker_and_a_reference():
+    assert set(MAKERS) == set(REFERENCE) == set(REGISTRY) - set(PACKED_KINDS)
+    assert set(PACKED_KINDS.values()) <= set(MAKERS)
+
+
+def test_generation_is_deterministic_and_valid():
+    for seed in range(20):
+        case = generate(seed)
+        assert generate(seed) == case
+        assert 3 <= len(case.ops) <= 10
+        structure(case)
+
+
+def _kinds_after_packing(case: Case) -> set[str]:
+    return {op.kind for op in pack_weights(materialize(case)[0]).ops}
+
+
+def test_generated_graphs_cover_every_op_and_the_edge_cases():
+    """Over 200 seeds: every op kind (the packed ones through the CPU pipeline's weight packing),
+    1-D inputs, rank-0 results, prime sizes, broadcasting, several outputs, NaN and infinities."""
+    cases = [generate(seed) for seed in range(200)]
+    graphs = [structure(case) for case in cases]
+    kinds = Counter(op.kind for case in cases for op in case.ops)
+    assert set(kinds) == set(MAKERS)
+    assert set(PACKED_KINDS) <= set().union(*(_kinds_after_packing(c) for c in cases if {"dense", "conv2d"} & {
+        op.kind for op in c.ops}))
+    assert any(len(s.shape) == 1 for case in cases for s in case.inputs)
+    assert any(g.tensors[o].shape == () for g in graphs for o in g.outputs)
+    assert any(d in (7, 13, 17) for g in graphs for s in g.tensors.values() for d in s.shape)
+    assert any(len({g.tensors[n].shape for n in op.inputs}) > 1
+               for g in graphs for op in g.ops if op.kind in ("add", "sub", "mul", "div"))
+    assert any(len(case.outputs) > 1 for case in cases)
+    assert {v for case in cases for s in case.inputs for _, v in s.specials} >= {np.inf, -np.inf}
+    assert any(np.isnan(v) for case in cases for s in case.inputs for _, v in s.specials)
+
+
+def test_fixed_seeds_compile_and_match_on_every_target_and_level():
+    with WorkerPool(check_config, workers=2) as pool:
+        result = fuzz(FIXED_SEEDS, configs(), pool)
+        findings = minimize_failures(result, pool, budget=30)
+    assert result.counts()["graphs"] == len(FIXED_SEEDS)
+    assert result.counts()["compiles"] == len(FIXED_SEEDS) * len(configs())
+    assert not findings, f"{len(findings)} failures:\n\n" + "\n\n".join(f.describe() for f in findings)
+
+
+# -- the fuzzer's own parts ---------------------------------------------------------------------
+def _relu_tanh_case() -> Case:
+    x = Source("x0", (3, 10))
+    ops = (Op("relu", ("x0",), ("t0",), {}), Op("tanh", ("t0",), ("t1",), {}))
+    return Case(0, (x,), (), ops, ("t1",))
+
+
+def relu_off_by_a_little(x):
+    """A mutant reference: relu plus 1e-3, ten times the tolerance."""
+    return torch.relu(x) + 1e-3
+
+
+def test_a_wrong_reference_for_one_op_is_caught():
+    task = Task(_relu_tanh_case(), Config("llvm"))
+    assert check_config(task).failures == ()
+    (failure,) = check_config(task, reference_overrides={"relu": relu_off_by_a_little}).failures
+    assert (failure.kind, failure.cause, failure.output) == (MISMATCH, "values differ", "t1")
+    assert 1e-4 < failure.max_abs_error < 1e-3
+
+
+def crash_on_seed_1_hang_on_seed_2(task):
+    """A mutant job: seed 1 dies as a heap corruption does (SIGABRT after glibc's message),
+    seed 2 never finishes; the others pass without compiling."""
+    if task.case.seed == 1:
+        os.write(2, b"double free or corruption (out)\n")
+        os.abort()
+    if task.case.seed == 2:
+        time.sleep(600)
+    return ConfigResult(task.case.seed, task.config, True, True)
+
+
+def test_a_crash_or_a_hang_in_a_worker_is_recorded_and_fuzzing_goes_on():
+    with WorkerPool(crash_on_seed_1_hang_on_seed_2, workers=2, timeout=2) as pool:
+        result = fuzz(range(4), [Config("llvm")], pool)
+    assert result.counts()["graphs"] == 4 and result.counts()["runs"] == 2
+    crash, hang = result.failures
+    assert (crash.seed, crash.kind, crash.cause) == (1, CRASH, "SIGABRT")
+    assert "double free or corruption (out)" in crash.detail
+    assert (hang.seed, hang.kind) == (2, TIMEOUT)
+
+
+def _softmax_case() -> Case:
+    """A generated case of several ops, one of them a softmax."""
+    return next(c for c in map(generate, range(100)) if len(c.ops) >= 6 and "softmax" in {op.kind for op in c.ops}
+                and max(max(s.shape, default=1) for s in c.inputs) > 1)
+
+
+def test_the_minimizer_shrinks_a_failing_graph():
+    """A fake failure (any graph with a softmax) shrinks to one softmax on an input of ones."""
+    case = _softmax_case()
+    calls = []
+
+    def fails(cases):
+        calls.append(len(cases))
+        return [any(op.kind == "softmax" for op in c.ops) for c in cases]
+
+    small = minimize(case, fails, budget=1000)
+    assert [op.kind for op in small.ops] == ["softmax"]
+    assert [s.shape for s in small.inputs] == [(1,) * len(small.inputs[0].shape)] and small.params == ()
+    assert max(calls) <= 2
+
+
+def _rebuilt(code: str):
+    """The graph and inputs a repro builds, run as a module (its compile is under __main__)."""
+    namespace = {"__name__": "repro"}
+    exec(compile(code, "repro.py", "exec"), namespace)
+    return namespace["graph"], namespace["inputs"]
+
+
+@pytest.mark.parametrize("seeds", [range(0, 60)])
+def test_a_repro_is_python_that_rebuilds_the_same_graph_weights_and_inputs(seeds):
+    cases = [generate(seed) for seed in seeds]
+    cases.append(minimize(_softmax_case(), lambda cs: [any(op.kind == "softmax" for op in c.ops) for c in cs]))
+    for case in cases:
+        graph, inputs = materialize(case)
+        rebuilt, rebuilt_inputs = _rebuilt(repro(case, Config("llvm-persistent", 3)))
+        assert str(rebuilt) == str(graph)
+        assert rebuilt.weights.keys() == graph.weights.keys()
+        assert all(np.array_equal(rebuilt.weights[k], v) for k, v in graph.weights.items())
+        assert rebuilt_inputs.keys() == inputs.keys()
+        assert all(np.array_equal(rebuilt_inputs[k], v, equal_nan=v.dtype.kind == "f") for k, v in inputs.items())
+
+
+def test_compare_tells_unwritten_elements_from_lost_nan():
+    want = np.array([1.0, np.nan, 3.0])
+    assert compare("y", np.array([1.0, np.nan, 3.0], "float32"), want) is None
+    assert compare("y", np.array([1.0, np.nan, 3.00001], "float32"), want) is None
+    lost = compare("y", np.array([1.0, 0.0, 3.0], "float32"), want)
+    assert lost.cause == "NaN or infinity not propagated"
+    unwritten = compare("y", np.array([1.0, np.nan, np.nan], "float32"), want)
+    assert unwritten.cause == "NaN or infinity where the reference is finite"
+    off = compare("y", np.array([1.0, np.nan, 3.5], "float32"), want)
+    assert (off.cause, off.max_abs_error) == ("values differ", 0.5)
+    assert compare("y", np.zeros(2, "float32"), np.zeros(3)).cause == "shape differs"
