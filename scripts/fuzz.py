@@ -61,7 +61,7 @@ class Progress:
 
 def _finding_record(finding: fuzzing.Finding) -> dict:
     first = finding.failures[0]
-    return {"seed": first.seed, "configs": [str(f.config) for f in finding.failures], "kind": first.kind,
+    return {"seed": first.seed, "configs": [str(c) for c in finding.configs], "kind": first.kind,
             "cause": first.cause, "output": first.output, "max_abs_error": first.max_abs_error,
             "detail": first.detail, "minimal_ops": len(finding.case.ops), "repro": finding.repro}
 

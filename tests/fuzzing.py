@@ -851,8 +851,8 @@ DEFAULT_TIMEOUT = 300.0  # seconds for one task; a compile that takes longer is 
 
 @dataclass(frozen=True)
 class Crashed:
-    """A worker died during a task: its exit code (minus the signal that killed it) and the
-    end of what it wrote to stderr (glibc's "double free or corruption", a segfault's report)."""
+    """A worker died during a task: its exit code (the negated signal number if a signal killed
+    it) and the end of what it wrote to stderr (glibc's "double free or corruption", say)."""
 
     exitcode: int
     stderr_tail: str
@@ -1236,11 +1236,16 @@ class Finding:
     case: Case
     repro: str
 
+    @property
+    def configs(self) -> list[Config]:
+        """The configs that showed it (once each: several outputs may fail on one)."""
+        return list(dict.fromkeys(f.config for f in self.failures))
+
     def describe(self) -> str:
         first = self.failures[0]
-        where = ", ".join(str(f.config) for f in self.failures)
-        return (f"{first.summary()}\n  on: {where}\n  minimal repro ({len(self.case.ops)} ops, for "
-                f"{first.config}; run from the repository root):\n" + _indented(self.repro))
+        return (f"{first.summary()}\n  on: {', '.join(map(str, self.configs))}\n"
+                f"  minimal repro ({len(self.case.ops)} ops, for {first.config}; "
+                f"as repro.py, run `PYTHONPATH=. python repro.py` from the repository root):\n" + _indented(self.repro))
 
 
 def _indented(text: str) -> str:
