@@ -709,7 +709,10 @@ def configs(targets: Iterable[str] = ("llvm", "llvm-persistent"),
         if target not in PIPELINES:
             raise ValueError(f"unknown target {target!r}; available: {', '.join(PIPELINES)}")
         own = sorted(PIPELINES[target].levels)
-        chosen += [Config(target, level) for level in own if levels is None or level in levels] or [Config(target)]
+        picked = [level for level in own if levels is None or level in levels]
+        if own and not picked:
+            raise ValueError(f"target {target!r} has opt levels {own}, none of {sorted(levels)}")
+        chosen += [Config(target, level) for level in picked] if own else [Config(target)]
     return chosen
 
 
