@@ -129,7 +129,7 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     outputs = _product(_extent(sch, loop) for loop in spatial_loops)
     reduction = _product(_extent(sch, loop) for loop in reduce_loops)
     template, per_tile = tiling(outputs, reduction, threads)
-    fused = sch.fuse(*spatial_loops) if len(spatial_loops) > 1 else (spatial_loops[0] if spatial_loops else sch.add_unit_loop(block))
+    fused = _outer_loop(sch, spatial_loops, loops, block)
     warps = threads // WARP
     if template == "elementwise":
         tile, _, warp, lane = sch.split(fused, [None, per_tile // threads, warps, WARP])
@@ -161,6 +161,17 @@ def schedule_te(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, thr
         return func, schedule
     outputs = _product(int(d) for d in tensor.shape)
     return func, dataclasses.replace(schedule, per_tile=schedule.per_tile * outputs // schedule.outputs, outputs=outputs)
+
+
+def _outer_loop(sch: s_tir.Schedule, spatial_loops: list, loops: list, block):
+    """The block's spatial loops fused into one, outermost: the loop its tiles split. A block with
+    none (a rank-0 output) gets a unit loop above all its loops, so that its tile loop is the
+    outermost loop and the reduction stays inside the tile."""
+    if len(spatial_loops) > 1:
+        return sch.fuse(*spatial_loops)
+    if spatial_loops:
+        return spatial_loops[0]
+    return sch.add_unit_loop(loops[0] if loops else block)
 
 
 def _place_epilogue(sch: s_tir.Schedule, producer, epilogue, mode: str, tile, holder, template: str, gpu: bool):
