@@ -8,7 +8,8 @@ grid))`` loop; an on-chip weight becomes a view into the block's copy, and the c
 from __future__ import annotations
 
 import numpy as np
-from tvm import tirx
+import tvm
+from tvm import s_tir, tirx
 
 from codegen.staged import OnChip, Stage, StagedProgram, stages_in
 from codegen.stitch import BufferRef
@@ -44,7 +45,7 @@ def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr, on_chip
 
     A weight kept on chip (``stage.on_chip``) is viewed, tile by tile, in the block's copy:
     ``on_chip(load)`` gives (buffer, where this block's copy starts in it)."""
-    func = stage.func
+    func = _lower_cross_thread_reductions(stage.func)
     refs = stage.reads + [stage.write]
     views = [tirx.DeclBuffer(param, data=ref.pointer()) for k, (param, ref) in enumerate(zip(func.params, refs))
              if k not in stage.on_chip]
@@ -65,6 +66,16 @@ def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr, on_chip
     new_root = type(root)(root.iter_vars, root.reads, root.writes, root.name_hint, persistent, root.init,
                           root.alloc_buffers, root.match_buffers, root.annotations)
     return tirx.SeqStmt(views + [type(realize)(realize.iter_values, realize.predicate, new_root)])
+
+
+def _lower_cross_thread_reductions(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with its reductions over thread-bound loops (warp_reduce's lanes) lowered to TVM's
+    cross-thread all-reduce while its tile loop is still a loop. Under the persistent loop the
+    tile is a value bound in the body, so a block whose output index divides it (a fused row of
+    a multi-dimensional output) no longer has an affine binding, and TVM's lowering silently
+    leaves it alone: the lanes would then all accumulate into one element at once. A function
+    without thread bindings (the CPU's) is returned unchanged."""
+    return s_tir.transform.LowerCrossThreadReduction()(tvm.IRModule({"main": func}))["main"]
 
 
 def on_chip_pointer(load: OnChip, buffer: tirx.Buffer, base, t, tile) -> tirx.PrimExpr:

@@ -2,7 +2,9 @@
 
 The CPU run of the staged program (``llvm-persistent``) runs the stages, tiles and barriers the
 CUDA kernel runs, with scratch poisoned: a tile that computes more than its own elements, or a
-reduction that covers less than its terms, shows up as a wrong number or a NaN.
+reduction that covers less than its terms, shows up as a wrong number or a NaN. The CUDA kernel
+built from the same stages cannot run here; its stages are checked for what the CPU cannot show
+(lanes of a warp reducing together).
 """
 
 import numpy as np
@@ -67,3 +69,20 @@ def test_a_reduction_to_one_value_covers_all_its_terms(kind, shape):
     values summed to 15.8) at every level."""
     graph, reference = _single(kind, shape)
     _check(graph, reference, shape, levels=(0, 4))
+
+
+# -- the CUDA kernel built from the same stages (compiled, not run) ---------------------------
+def _cuda(kind, shape, level):
+    graph, _ = _single(kind, shape)
+    return souffle.compile(graph, target="cuda", opt_level=level)
+
+
+@pytest.mark.parametrize("level", [0])
+def test_cuda_warp_reductions_combine_their_lanes(level):
+    """Each warp_reduce stage ends in a warp all-reduce (shuffles, then the result broadcast to
+    the warp). Under the persistent tile loop, a stage whose rows fuse several dimensions lost
+    it: its 32 lanes added into one element at once."""
+    model = _cuda("softmax", (3, 10, 64), level)
+    warp_stages = [s for s in model.plan.stages() if s.schedule.template == "warp_reduce"]
+    assert len(warp_stages) == 2
+    assert model.source.count("= __shfl_sync(") == len(warp_stages)
