@@ -25,10 +25,19 @@ from codegen.staged import tiles_of
 from souffle.lower import LoopRegion, Region, TEProgram
 
 
+# TVM 0.27's pooling of a kernel's static shared memory (``tirx.merge_static_smem``, see
+# ``codegen.cuda``) gives no place to a buffer of 4 bytes or less (it leaves such a buffer to
+# registers), so a kernel with one among other shared buffers fails to build. A shared epilogue
+# keeps a tile's results in shared memory (``per_tile`` of them, or all of them if fewer), so they
+# must take more: a reduction to a single float32 value, or a block of one warp, has none.
+SMALL_SHARED_BYTES = 4
+
+
 def epilogue_mode(producer: te.Tensor, consumer: te.Tensor, threads: int) -> str | None:
     """How ``consumer`` (element-wise, the only reader of the reduction ``producer``) can run in
     the producer's tiles: 'register' when it reads each result at its own index, 'shared'
-    when each of its tiles reads only the same-numbered producer tile; None otherwise."""
+    when each of its tiles reads only the same-numbered producer tile (and a tile's results take
+    more than ``SMALL_SHARED_BYTES``); None otherwise."""
     if consumer.op.reduce_axis or len(consumer.op.body) != 1 or len(producer.op.body) != 1:
         return None
     access = access_relations(consumer)[producer.op]
@@ -51,6 +60,8 @@ def epilogue_mode(producer: te.Tensor, consumer: te.Tensor, threads: int) -> str
     template, per_tile = tiling(outputs, reduction, threads)
     consumer_size = int(np.prod([int(d) for d in consumer.shape]))
     if template != "warp_reduce" or (per_tile * consumer_size) % outputs:
+        return None
+    if min(per_tile, outputs) * np.dtype(str(producer.dtype)).itemsize <= SMALL_SHARED_BYTES:
         return None
     reads = tiles_of(relation.get_tuple_name(isl.dim_type.in_), consumer.shape, per_tile * consumer_size // outputs, "R")
     writes = tiles_of(relation.get_tuple_name(isl.dim_type.out), producer.shape, per_tile, "W")

@@ -26,8 +26,9 @@ the same tile so the reduction's result never goes to global memory (``epilogue_
 - ``register``: the consumer reads each result at its own index; it runs in the thread that
   holds the result, straight from registers (a GEMM's bias and activation);
 - ``shared``: the consumer reads several results of the same tile (the LSTM cell reads the
-  four gates of its unit); the tile's results go to shared memory and the block's threads
-  compute the tile's part of the consumer after a ``__syncthreads``.
+  four gates of its unit); the tile's results go to shared memory and, after a
+  ``__syncthreads``, all the block's threads compute the consumer's tile: the contiguous run of
+  its row-major output that reads exactly those results.
 
 The same split is made for the CPU (``gpu=False``) without binding threads, so the CPU runs
 exactly the tiles the GPU runs.
@@ -125,6 +126,10 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     if any(k not in (tirx.IterVar.DataPar, tirx.IterVar.CommReduce) for k in kinds) or \
             any(k == tirx.IterVar.DataPar for k in kinds[n_spatial:]):
         raise ScheduleError(f"block {sch.get(block).name_hint}: iterators must be spatial, then reductions")
+    if epilogue_mode == "shared":
+        _flatten_shared_epilogue(sch, block, blocks[1], n_spatial)
+        n_spatial = min(n_spatial, 1)
+        loops = sch.get_loops(block)
     spatial_loops, reduce_loops = loops[:n_spatial], loops[n_spatial:]
     outputs = _product(_extent(sch, loop) for loop in spatial_loops)
     reduction = _product(_extent(sch, loop) for loop in reduce_loops)
@@ -142,14 +147,18 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     else:
         tile, warp, lane = sch.split(fused, [None, warps, WARP])
         holder = lane
+    if epilogue_mode is not None:
+        tile = _place_epilogue(sch, block, blocks[1], epilogue_mode, tile, holder, template, per_tile, outputs,
+                               warps, gpu)
     if gpu:
         sch.bind(tile, "blockIdx.x")
         sch.bind(warp, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
-    if epilogue_mode is not None:
-        _place_epilogue(sch, block, blocks[1], epilogue_mode, tile, holder, template, gpu)
     n_tiles = -(-outputs // per_tile)
-    return sch.mod["main"], StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch))
+    func = sch.mod["main"]
+    if gpu and epilogue_mode == "shared":
+        func = _synchronize_epilogue(func)
+    return func, StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch))
 
 
 def schedule_te(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int = THREADS,
@@ -174,24 +183,88 @@ def _outer_loop(sch: s_tir.Schedule, spatial_loops: list, loops: list, block):
     return sch.add_unit_loop(loops[0] if loops else block)
 
 
-def _place_epilogue(sch: s_tir.Schedule, producer, epilogue, mode: str, tile, holder, template: str, gpu: bool):
+def _place_epilogue(sch: s_tir.Schedule, producer, epilogue, mode: str, tile, holder, template: str,
+                    per_tile: int, outputs: int, warps: int, gpu: bool):
     """Compute the epilogue inside the producer's tile: in the thread holding each result
-    (``register``), or by the whole block from shared memory (``shared``)."""
+    (``register``), or by the whole block from shared memory (``shared``). Returns the tile loop.
+
+    A shared epilogue computes exactly its tile, the contiguous run of ``per_tile * size /
+    outputs`` elements of its (flattened) output that reads the producer's tile
+    (``epilogue_mode`` proved it reads nothing else): its loop is split into tiles and its tile
+    loop merged with the producer's. ``reverse_compute_at`` would compute the box around what
+    the tile's results feed instead, which is more than the tile where the tile's rows straddle
+    a leading dimension: it computed other tiles' elements from results this tile never reduced.
+    The tile's elements are walked by all the block's threads, ``WARP`` lanes by ``warps`` warps,
+    like an elementwise stage: TVM does not guard a thread loop of another extent than the
+    block's, so one would skip elements or write past the tile."""
     if mode == "register":
         sch.reverse_compute_at(epilogue, holder)
         sch.set_scope(producer, 0, "local")
-        return
+        return tile
     if template != "warp_reduce":
         raise ScheduleError(f"a shared-memory epilogue needs a warp_reduce producer, not {template}: "
                             "a thread_reduce one would synchronize the block at every reduction step")
-    sch.reverse_compute_at(epilogue, tile)
-    inner = sch.get_loops(epilogue)[1:]
-    fused = sch.fuse(*inner) if len(inner) > 1 else (inner[0] if inner else sch.add_unit_loop(epilogue))
-    warp, lane = sch.split(fused, [None, WARP])
+    (flat,) = sch.get_loops(epilogue)
+    size = _extent(sch, flat)
+    if (per_tile * size) % outputs:
+        raise ScheduleError(f"a shared-memory epilogue of {size} elements cannot be tiled like its {outputs} results "
+                            f"({per_tile} per tile)")
+    own_tile, elements = sch.split(flat, [None, per_tile * size // outputs])
+    tile = sch.merge(tile, own_tile)
+    _, warp, lane = sch.split(elements, [None, warps, WARP])
     if gpu:
         sch.bind(warp, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
         sch.set_scope(producer, 0, "shared")
+    return tile
+
+
+def _flatten_shared_epilogue(sch: s_tir.Schedule, producer, epilogue, n_spatial: int):
+    """Index a shared epilogue's stage by flat (row-major) positions: the producer's outputs and
+    its results buffer, and the epilogue's output, each one loop. A tile is then a range of one
+    index, which ``_place_epilogue`` splits exactly, and TVM bounds the tile's results relative
+    to the tile, keeping only them in shared memory (in their own dimensions a run of rows need
+    not be a box, and the whole buffer would stay in shared memory)."""
+    _flatten_spatial(sch, producer, n_spatial)
+    shape = [int(d) for d in sch.get(producer).writes[0].source.shape]
+    if len(shape) > 1:
+        sch.transform_layout(producer, ("write", 0), lambda *index: [_row_major(index, shape)])
+    _flatten_spatial(sch, epilogue, len(sch.get(epilogue).iter_vars))
+
+
+def _synchronize_epilogue(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` (a shared epilogue's stage) with a block barrier between the tile's reduction and
+    its epilogue, and one after the epilogue. Threads read results other threads wrote, and the
+    next tile overwrites them; TVM's barrier insertion takes a shared-memory access at the same
+    index as the same thread's and would leave out the first barrier where a warp reads only the
+    results written by its own first lane (rows of ``WARP`` elements)."""
+    realize = func.body
+    root = realize.block
+    tile = root.body
+    reduction, epilogue = tile.body.seq
+    sync = tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
+    tile = tirx.For(tile.loop_var, tile.min, tile.extent, tile.kind, tirx.SeqStmt([reduction, sync, epilogue, sync]),
+                    tile.thread_binding, tile.annotations)
+    root = type(root)(root.iter_vars, root.reads, root.writes, root.name_hint, tile, root.init, root.alloc_buffers,
+                      root.match_buffers, root.annotations)
+    return func.with_body(type(realize)(realize.iter_values, realize.predicate, root))
+
+
+def _row_major(index, shape):
+    """The row-major flat index of ``index`` (at least one coordinate) in a tensor of ``shape``."""
+    return _fold(lambda flat, pair: flat * pair[1] + pair[0], zip(index[1:], shape[1:]), index[0])
+
+
+def _flatten_spatial(sch: s_tir.Schedule, block, n_spatial: int):
+    """Make the block's first ``n_spatial`` (spatial) iterators one, their row-major flat index,
+    iterated by one loop (the reduction iterators are kept)."""
+    iters = sch.get(block).iter_vars
+    if n_spatial < 2:
+        return
+    extents = [int(iv.dom.extent) for iv in iters[:n_spatial]]
+    flat = tirx.IndexMap.from_func(lambda *index: [_row_major(index[:n_spatial], extents), *index[n_spatial:]],
+                                   ndim=len(iters), index_dtype=str(iters[0].var.ty.dtype))
+    sch.transform_block_layout(block, flat)
 
 
 def _shared_bytes(sch: s_tir.Schedule) -> int:

@@ -4,8 +4,10 @@ The CPU run of the staged program (``llvm-persistent``) runs the stages, tiles a
 CUDA kernel runs, with scratch poisoned: a tile that computes more than its own elements, or a
 reduction that covers less than its terms, shows up as a wrong number or a NaN. The CUDA kernel
 built from the same stages cannot run here; its stages are checked for what the CPU cannot show
-(lanes of a warp reducing together).
+(lanes of a warp reducing together, thread loops of the block's shape).
 """
+
+import re
 
 import numpy as np
 import pytest
@@ -13,7 +15,11 @@ import torch
 from model_checks import run_poisoned
 
 import souffle
+from codegen.epilogues import SMALL_SHARED_BYTES
+from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
+
+LEVELS = range(5)
 
 
 def _param(b, rng, name, shape):
@@ -51,6 +57,37 @@ def _single(kind: str, shape):
     return graph, reference
 
 
+def _family(shape):
+    """Softmax, layer_norm, mean over the last axis (broadcast back over it) and mean over all
+    axes (a rank-0 result), each followed by an element-wise op with a parameter, as one graph."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("reductions")
+    x = b.input("x", shape)
+    n = shape[-1]
+    outputs = [
+        b.op("mul", b.op("softmax", x), _param(b, rng, "ws", (n,))),
+        b.op("add", b.op("layer_norm", x, _param(b, rng, "g", (n,)), _param(b, rng, "beta", (n,))),
+             _param(b, rng, "wl", (n,))),
+        b.op("mul", b.op("mean", x, axes=(-1,), keepdims=True), _param(b, rng, "wk", (n,))),
+        b.op("mul", b.op("mean", x), _param(b, rng, "wm", (5,))),
+    ]
+    if len(shape) == 4:
+        outputs.append(b.op("mul", b.op("global_avg_pool2d", x), _param(b, rng, "wg", (16,))))
+    graph = b.build(*outputs)
+    w = {k: torch.from_numpy(v) for k, v in graph.weights.items()}
+
+    def reference(t):
+        expected = [torch.softmax(t, -1) * w["ws"],
+                    torch.nn.functional.layer_norm(t, (n,), w["g"], w["beta"]) + w["wl"],
+                    t.mean(-1, keepdim=True) * w["wk"],
+                    t.mean() * w["wm"]]
+        if len(shape) == 4:
+            expected.append(t.mean((2, 3), keepdim=True) * w["wg"])
+        return expected
+
+    return graph, reference
+
+
 def _check(graph, reference, shape, levels):
     x = np.random.default_rng(1).standard_normal(shape).astype("float32")
     expected = reference(torch.from_numpy(x))
@@ -62,6 +99,16 @@ def _check(graph, reference, shape, levels):
             np.testing.assert_allclose(value, want, rtol=1e-4, atol=1e-5, err_msg=f"O{level} {name}")
 
 
+@pytest.mark.parametrize("kind,shape", [("softmax", (3, 10, 64)), ("layer_norm", (3, 10, 64)),
+                                        ("global_avg_pool2d", (2, 6, 5, 8))], ids=str)
+def test_a_fused_epilogue_computes_exactly_its_tile(kind, shape):
+    """Issue 14: a tile of 8 rows of (3, 10) straddles the leading dimension; its shared-memory
+    epilogue computed the box around them (whole rows of the leading dimension) from results
+    other tiles reduce, so O3 and O4 were off (by up to 1.5 for layer_norm)."""
+    graph, reference = _single(kind, shape)
+    _check(graph, reference, shape, levels=(3, 4))
+
+
 @pytest.mark.parametrize("kind,shape", [("mean", (64, 64)), ("softmax", (17,))], ids=str)
 def test_a_reduction_to_one_value_covers_all_its_terms(kind, shape):
     """Issue 14: a rank-0 result's tile loop was put inside its reduction loops, so the stage
@@ -71,13 +118,22 @@ def test_a_reduction_to_one_value_covers_all_its_terms(kind, shape):
     _check(graph, reference, shape, levels=(0, 4))
 
 
+SHAPES = [(3, 10, 64), (2, 6, 5, 8), (17,), (64, 64), (7, 13), (5, 33)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_reductions_at_every_level(shape):
+    graph, reference = _family(shape)
+    _check(graph, reference, shape, levels=LEVELS)
+
+
 # -- the CUDA kernel built from the same stages (compiled, not run) ---------------------------
 def _cuda(kind, shape, level):
     graph, _ = _single(kind, shape)
     return souffle.compile(graph, target="cuda", opt_level=level)
 
 
-@pytest.mark.parametrize("level", [0])
+@pytest.mark.parametrize("level", [0, 4])
 def test_cuda_warp_reductions_combine_their_lanes(level):
     """Each warp_reduce stage ends in a warp all-reduce (shuffles, then the result broadcast to
     the warp). Under the persistent tile loop, a stage whose rows fuse several dimensions lost
@@ -86,3 +142,52 @@ def test_cuda_warp_reductions_combine_their_lanes(level):
     warp_stages = [s for s in model.plan.stages() if s.schedule.template == "warp_reduce"]
     assert len(warp_stages) == 2
     assert model.source.count("= __shfl_sync(") == len(warp_stages)
+
+
+def test_cuda_thread_loops_have_the_block_shape():
+    """Every thread loop of every stage spans the block (THREADS / 32 warps of 32 lanes). TVM does
+    not guard a thread loop of another extent: a shared epilogue bound to one warp per 32 of its
+    elements computed only the block's first 256 (the paper BERT's layer norm, 256 of each tile's
+    6144), and one bound to the box around a tile straddling a dimension failed to build."""
+    staged = run_passes(_single("softmax", (3, 10, 64))[0], "cuda", stop="plan_arena", opt_level=3).ir
+    fused = [s for s in staged.stages() if s.epilogue == "shared"]
+    assert fused and all(s.schedule.per_tile == 512 for s in fused)
+    for stage in staged.stages():
+        bindings = re.findall(r'T\.thread_binding\(([^,]+), thread="(threadIdx\.[xy])"\)', stage.func.script())
+        block_shape = {(str(staged.threads // 32), "threadIdx.y"), ("32", "threadIdx.x")}
+        assert bindings and set(bindings) <= block_shape, stage.name
+
+
+def test_cuda_shared_epilogue_waits_for_the_whole_tile():
+    """A shared epilogue's threads read results other threads wrote into shared memory: a block
+    barrier separates the two, also where each warp reads only its own result (rows of 32)."""
+    model = _cuda("layer_norm", (1, 8, 32), 3)
+    assert [s.epilogue for s in model.plan.stages()].count("shared") == 1
+    into_shared_then_barrier = r"_shared_ptr\[[^\]]*\] = red_buf0_ptr(?:_\d+)?\[0\];\s*\}\s*__syncthreads\(\);"
+    assert len(re.findall(into_shared_then_barrier, model.source)) == 1
+
+
+def _assert_builds_with_warp_all_reduces(graph, level):
+    model = souffle.compile(graph, target="cuda", opt_level=level)
+    warp_stages = [s for s in model.plan.stages() if s.schedule.template == "warp_reduce"]
+    assert model.source.count("= __shfl_sync(") == len(warp_stages), f"O{level}"
+    return model
+
+
+def test_cuda_builds_row_and_single_value_reductions_in_one_kernel():
+    """Shared epilogues whose rows straddle a dimension (they failed to build: their thread loop
+    had the extent of the box around the tile) next to a reduction to one value, whose single
+    result TVM cannot pool with other shared memory: it stays out of shared memory."""
+    model = _assert_builds_with_warp_all_reduces(_family((3, 10, 64))[0], 3)
+    stages = model.plan.stages()
+    shared = [s for s in stages if s.epilogue == "shared"]
+    assert len(shared) == 4 and all(s.schedule.shared_bytes > SMALL_SHARED_BYTES for s in shared)
+    assert [s.epilogue for s in stages if s.schedule.outputs == 1] == [None]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_cuda_builds_the_reductions_at_every_level(shape):
+    graph, _ = _family(shape)
+    for level in LEVELS:
+        _assert_builds_with_warp_all_reduces(graph, level)
