@@ -144,7 +144,12 @@ class _Load:
 
 
 def _loads(body) -> list[_Load]:
-    """Every tensor load of a TE body with the conditions on its path, in program order."""
+    """Every tensor load of a TE body with the conditions on its path, in program order.
+
+    A condition that tests loaded values only (``isnan(x[i])``, ``x[i] < 0``) is no guard: over
+    all inputs either branch may run, so the elements both branches read, unguarded, are exactly
+    those the TE may read. A condition on the axes (padding's bounds) restricts them.
+    """
     found: list[_Load] = []
 
     def walk(e, conds: tuple):
@@ -158,8 +163,9 @@ def _loads(body) -> list[_Load]:
         if is_call_to(e, IF_THEN_ELSE) or isinstance(e, tirx.Select):
             cond, then, other = (e.args if not isinstance(e, tirx.Select) else (e.condition, e.true_value, e.false_value))
             walk(cond, conds)
-            walk(then, conds + (cond,))
-            walk(other, conds + (tirx.Not(cond),))
+            on_values = _tests_values_only(cond)
+            walk(then, conds if on_values else conds + (cond,))
+            walk(other, conds if on_values else conds + (tirx.Not(cond),))
             return
         if isinstance(e, tirx.Reduce):
             guard = conds if _is_true(e.condition) else conds + (e.condition,)
@@ -177,6 +183,22 @@ def _loads(body) -> list[_Load]:
 
     walk(body, ())
     return found
+
+
+def _tests_values_only(cond) -> bool:
+    """Whether ``cond`` reads tensor elements and uses the axes only in those loads' indices."""
+
+    def axis_free(e) -> bool:
+        if is_call_to(e, TENSOR_LOAD):
+            return True
+        if isinstance(e, tirx.Var):
+            return False
+        if isinstance(e, tvm.ir.expr.Call):
+            return all(axis_free(arg) for arg in e.args)
+        children = (getattr(e, name, None) for name in ("a", "b", "value", "condition", "true_value", "false_value"))
+        return all(axis_free(child) for child in children if child is not None and not isinstance(child, (int, float)))
+
+    return bool(_loads(cond)) and axis_free(cond)
 
 
 def _is_true(e) -> bool:

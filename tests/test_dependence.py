@@ -211,6 +211,19 @@ def test_non_affine_index_and_guard_are_over_approximated():
     assert access.spatial.is_equal(isl.Map("{ guarded[i0] -> x[i0] : 0 <= i0 < 4 }"))
 
 
+def test_a_test_of_loaded_values_is_no_guard():
+    """A select on data (relu's NaN test) may take either branch: the union of both is exact.
+    A condition that also tests an axis still restricts the elements, and is over-approximated."""
+    x = te.placeholder((9,), "float32", name="x")
+    on_values = te.compute((8,), lambda i: tvm.tirx.Select(tvm.tirx.isnan(x[i]), x[i], x[i + 1]), name="on_values")
+    access = access_relations(on_values)[x.op]
+    assert access.exact
+    assert access.spatial.is_equal(isl.Map("{ on_values[i0] -> x[o0] : 0 <= i0 < 8 and i0 <= o0 <= i0 + 1 }"))
+    mixed = te.compute((8,), lambda i: tvm.tirx.Select(tvm.tirx.all(i < 4, x[i] > 0), x[i], 0.0), name="mixed")
+    access = access_relations(mixed)[x.op]
+    assert not access.exact and "guard of x is dropped" in access.reasons[0]
+
+
 def test_two_reads_of_one_tensor_are_one_relation():
     x = te.placeholder((8,), "float32", name="x")
     stencil = te.compute((7,), lambda i: x[i] + x[i + 1], name="stencil")
