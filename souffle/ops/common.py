@@ -7,7 +7,10 @@ same helper to get the same normalized attributes.
 
 from __future__ import annotations
 
+import math
 from numbers import Integral, Real
+
+from tvm import tirx
 
 from souffle.ops.registry import fail
 
@@ -30,6 +33,22 @@ def is_int(value) -> bool:
 
 def is_real(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def nan_max(a, b):
+    """max(a, b) that is NaN when either operand is, as torch.maximum, relu and max pooling are.
+
+    TVM's max is not: LLVM gets select(a > b, a, b), which is b when either is NaN, and CUDA
+    gets fmaxf, which returns the operand that is not NaN. A constant operand is never NaN and
+    is not tested; integer operands need no test.
+    """
+    result = tirx.max(a, b)
+    if not str(a.ty.dtype).startswith("float"):
+        return result
+    for operand in (b, a):
+        if not isinstance(operand, tirx.FloatImm):
+            result = tirx.Select(tirx.isnan(operand), operand, result)
+    return result
 
 
 def int_list(value, name: str, minimum: int | None = None) -> tuple[int, ...]:

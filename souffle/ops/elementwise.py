@@ -8,7 +8,7 @@ import numpy as np
 import tvm
 from tvm import te, topi
 
-from souffle.ops.common import int_list, is_real, require_float, require_same_dtype
+from souffle.ops.common import int_list, is_real, nan_max, require_float, require_same_dtype
 from souffle.ops.registry import export_rule, fail, register_op
 from souffle.tensor import SUPPORTED_DTYPES
 
@@ -61,7 +61,10 @@ def _onnx_node(op_type: str):
 
 @register_op("relu", infer=_same, n_inputs=1)
 def relu(inputs):
-    return topi.nn.relu(inputs[0])
+    """max(x, 0) that keeps NaN, as torch.relu (topi's relu would make it 0)."""
+    x = inputs[0]
+    zero = tvm.tirx.const(0, x.dtype)
+    return te.compute(x.shape, lambda *i: nan_max(x(*i), zero), name="compute", tag=topi.tag.ELEMWISE)
 
 
 export_rule("relu")(_onnx_node("Relu"))

@@ -13,6 +13,7 @@ from souffle.ops.common import (
     int_pair,
     is_int,
     is_real,
+    nan_max,
     normalize_axes,
     normalize_axis,
     prod,
@@ -292,6 +293,9 @@ def _softmax(specs, attrs):
 
 @register_op("softmax", infer=_softmax, n_inputs=1, attrs={"axis": -1})
 def softmax(inputs, axis):
+    """torch.softmax. A NaN or +inf in a row makes some exp(x - max) NaN (NaN - max, inf - inf),
+    so the row's sum and all of its outputs are NaN, as in torch; the max itself need not
+    propagate NaN, and a row of -inf is 0 / 0 = NaN too."""
     x = inputs[0]
     return topi.nn.softmax(x, axis=normalize_axis(axis, len(x.shape)))
 
@@ -320,14 +324,6 @@ def _pool2d(specs, attrs):
     return [(x.shape[:2] + tuple(out), x.dtype)]
 
 
-def _topi_pool(x, pool_type, attrs, count_include_pad=True):
-    kernel, stride, padding, dilation = _window_attrs(attrs)
-    return topi.nn.pool2d(
-        x, kernel, stride, dilation, padding + padding, pool_type,
-        ceil_mode=attrs["ceil_mode"], count_include_pad=count_include_pad,
-    )
-
-
 def _onnx_pool_window(e, x: str, attrs) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
     """(kernel, stride, begin pads, end pads, dilation) giving torch's output size with ceil_mode
     off: a ceil_mode window becomes explicit end padding, so the size never rests on how an ONNX
@@ -341,13 +337,36 @@ def _onnx_pool_window(e, x: str, attrs) -> tuple[list[int], list[int], list[int]
     return list(kernel), list(stride), list(padding), end, list(dilation)
 
 
+_NAN_MAX = te.comm_reducer(nan_max, lambda dtype: tvm.tirx.const(float("-inf"), dtype), name="nan_max")
+"""torch's max reduction: NaN if any element is NaN; it starts from -inf, so a window of -inf gives -inf."""
+
+
 @register_op(
     "max_pool2d", infer=_pool2d, n_inputs=1,
     attrs={"kernel": None, "stride": None, "padding": 0, "dilation": 1, "ceil_mode": False},
 )
 def max_pool2d(inputs, **attrs):
-    """torch.nn.functional.max_pool2d (padding never wins the max)."""
-    return _topi_pool(inputs[0], "max", attrs)
+    """torch.nn.functional.max_pool2d: a window holding a NaN gives NaN, padding is -inf.
+
+    topi's pool takes TVM's max, which drops NaN, and pads and starts from the lowest finite
+    float, which beats a window of -inf."""
+    x = inputs[0]
+    kernel, stride, padding, dilation = _window_attrs(attrs)
+    sizes = shape_of(x)[2:]
+    out, end_padding = [], []
+    for i, size in enumerate(sizes):
+        out.append(_window_count(size, kernel[i], stride[i], padding[i], dilation[i], attrs["ceil_mode"]))
+        last_window_end = (out[i] - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1
+        end_padding.append(max(0, last_window_end - padding[i] - size))
+    if any(padding) or any(end_padding):
+        x = topi.nn.pad(x, (0, 0, *padding), (0, 0, *end_padding), pad_value=float("-inf"), name="pad_temp")
+    ry, rx = te.reduce_axis((0, kernel[0]), name="ry"), te.reduce_axis((0, kernel[1]), name="rx")
+    (sh, sw), (dh, dw) = stride, dilation
+    return te.compute(
+        shape_of(x)[:2] + tuple(out),
+        lambda n, c, i, j: _NAN_MAX(x[n, c, i * sh + ry * dh, j * sw + rx * dw], axis=[ry, rx]),
+        name="pool_max",
+    )
 
 
 @export_rule("max_pool2d")
@@ -363,7 +382,11 @@ def _max_pool2d_onnx(e, inputs, outputs, attrs):
 )
 def avg_pool2d(inputs, **attrs):
     """torch.nn.functional.avg_pool2d, including its divisor for windows clipped by ceil_mode."""
-    return _topi_pool(inputs[0], "avg", attrs, attrs["count_include_pad"])
+    kernel, stride, padding, dilation = _window_attrs(attrs)
+    return topi.nn.pool2d(
+        inputs[0], kernel, stride, dilation, padding + padding, "avg",
+        ceil_mode=attrs["ceil_mode"], count_include_pad=attrs["count_include_pad"],
+    )
 
 
 @export_rule("avg_pool2d")
@@ -451,7 +474,8 @@ def _embedding(specs, attrs):
 def embedding(inputs):
     """Rows of ``table`` (V, D) picked by ``ids`` of any shape, as torch.nn.functional.embedding.
 
-    Out-of-range ids are clamped into [0, V) so a bad id cannot read outside the table."""
+    Unlike torch, which raises IndexError, an out-of-range id is clamped into [0, V): a kernel
+    cannot raise, and a clamped id cannot read outside the table."""
     table, ids = inputs
     return topi.take(table, ids, axis=0, mode="clip")
 
