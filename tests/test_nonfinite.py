@@ -3,8 +3,8 @@
 Every registered op, on inputs (and weights, where it takes them) holding NaN, +inf and -inf,
 compiled for the CPU targets and compared with torch in float64 position by position: NaN
 exactly where torch has NaN, the same infinities, finite values within 1e-4. Then MMoE end to
-end with one non-finite input element or one NaN weight, and the embedding's deliberate
-difference from torch.
+end with one non-finite input element or one NaN weight, the embedding's deliberate difference
+from torch, and the refusal of non-finite attributes.
 """
 
 import re
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import souffle
 from souffle import models
+from souffle.errors import GraphError
 from souffle.graph import GraphBuilder
 from souffle.ops import REGISTRY
 from souffle.ops.packed import pack_rows
@@ -273,6 +274,19 @@ def test_embedding_clamps_out_of_range_ids_where_torch_raises(run_op):
     np.testing.assert_array_equal(run_op("embedding", [table, ids]), table[[0, 0, 3, 3]])
     with pytest.raises(IndexError):
         F.embedding(torch.from_numpy(ids), torch.from_numpy(table))
+
+
+@pytest.mark.parametrize("kind, shapes, attr", [
+    ("scale", [(2, 3)], "factor"),
+    ("layer_norm", [(2, 3), (3,), (3,)], "eps"),
+    ("batch_norm", [(1, 2, 3), (2,), (2,), (2,), (2,)], "eps"),
+])
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_nonfinite_attributes_are_refused(kind, shapes, attr, value):
+    b = GraphBuilder("g")
+    names = [b.input(f"in{i}", shape) for i, shape in enumerate(shapes)]
+    with pytest.raises(GraphError, match=rf"op 'bad' \({kind}\): {attr} must be a finite number, got -?(nan|inf)"):
+        b.op(kind, *names, name="bad", **{attr: value})
 
 
 @pytest.mark.parametrize("value", [NAN, INF, -INF])

@@ -35,6 +35,13 @@ def is_real(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
+def require_finite(attrs, *names):
+    """Refuse a NaN or infinite attribute where the op has no use for one (an epsilon, a factor)."""
+    for name in names:
+        if not is_real(attrs[name]) or not math.isfinite(attrs[name]):
+            fail(f"{name} must be a finite number, got {attrs[name]!r}")
+
+
 def nan_max(a, b):
     """max(a, b) that is NaN when either operand is, as torch.maximum, relu and max pooling are.
 

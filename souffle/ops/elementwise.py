@@ -8,7 +8,7 @@ import numpy as np
 import tvm
 from tvm import te, topi
 
-from souffle.ops.common import int_list, is_real, nan_max, require_float, require_same_dtype
+from souffle.ops.common import int_list, is_real, nan_max, require_finite, require_float, require_same_dtype
 from souffle.ops.registry import export_rule, fail, register_op
 from souffle.tensor import SUPPORTED_DTYPES
 
@@ -149,8 +149,7 @@ export_rule("div")(_onnx_node("Div"))
 
 
 def _scale(specs, attrs):
-    if not is_real(attrs["factor"]):
-        fail(f"factor must be a number, got {attrs['factor']!r}")
+    require_finite(attrs, "factor")
     return _float_same(specs, attrs)
 
 

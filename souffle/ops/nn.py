@@ -12,12 +12,12 @@ from tvm import te, topi
 from souffle.ops.common import (
     int_pair,
     is_int,
-    is_real,
     nan_max,
     normalize_axes,
     normalize_axis,
     prod,
     require_bool,
+    require_finite,
     require_float,
     require_rank,
     require_same_dtype,
@@ -34,7 +34,8 @@ def _reshape(tensor: te.Tensor, shape) -> te.Tensor:
 
 
 def _require_eps(attrs):
-    if not is_real(attrs["eps"]) or attrs["eps"] < 0:
+    require_finite(attrs, "eps")
+    if attrs["eps"] < 0:
         fail(f"eps must be a non-negative number, got {attrs['eps']!r}")
 
 
