@@ -14,10 +14,10 @@ GEMMs around them. These lowerings are polynomials, so a vectorized loop stays v
 tanh and sigmoid are legalized by TVM through ``exp``, so they benefit too.
 Only float32 is rewritten; other dtypes keep TVM's lowering.
 
-Both clamp their argument with TVM's min and max, which turn NaN into a bound (LLVM gets
-select(a < b, a, b)): a NaN argument is passed through explicitly, so exp and erf of NaN are
-NaN as in libm, and so are sigmoid, tanh, GELU and softmax built on them. The infinities
-clamp to the bounds, whose results are exp's 0 and inf and erf's -1 and 1.
+Both clamp their argument so that NaN passes through (TVM's min and max would make it a
+bound), so exp and erf of NaN are NaN as in libm, and so are sigmoid, tanh, GELU and softmax
+built on them; the infinities clamp to the bounds, whose results are exp's 0 and inf and erf's
+-1 and 1.
 """
 
 from __future__ import annotations
@@ -42,31 +42,36 @@ def _horner(x, coefficients):
     return result
 
 
-def _keep_nan(x, result):
-    """``result``, or ``x`` where ``x`` is NaN (the clamps would have made it a bound)."""
-    return tirx.Select(tirx.isnan(x), x, result)
+def _clamp(x, low: float, high: float):
+    """``x`` limited to [low, high], NaN kept: a comparison with NaN is false, so NaN takes neither
+    bound. (TVM's min and max are select(a < b, a, b) in LLVM, which makes NaN the bound.) Each
+    select is one vector min or max instruction, with its operands in the NaN-keeping order."""
+    dtype = str(x.ty.dtype)  # the bounds are broadcast to a vector's lanes
+    low, high = tirx.const(low, dtype), tirx.const(high, dtype)
+    return tirx.Select(x < low, low, tirx.Select(x > high, high, x))
 
 
 def fast_exp(x):
     """exp(x) for a float32 (or float32 vector) expression, as vectorizable arithmetic."""
     dtype = str(x.ty.dtype)
     int_dtype = dtype.replace("float32", "int32")
-    clamped = tirx.max(tirx.min(x, tirx.const(89.0, "float32")), tirx.const(-88.0, "float32"))
-    n = tirx.max(tirx.floor(clamped * _LOG2E + 0.5), tirx.const(-126.0, "float32"))
-    r = clamped - n * _LN2_HI - n * _LN2_LO
+    x = _clamp(x, -88.0, 89.0)
+    # TVM's max makes a NaN n the bound -126, so the cast below never sees NaN; r carries the NaN
+    n = tirx.max(tirx.floor(x * _LOG2E + 0.5), tirx.const(-126.0, "float32"))
+    r = x - n * _LN2_HI - n * _LN2_LO
     poly = _horner(r, _EXP_POLY) * (r * r) + r + 1.0
     # 2^n as 2^(n-1) * 2: n = 128 keeps a finite exponent field (the product overflows to inf
     # exactly when exp(x) does), n = -126 gives exponent field 0 (flush to zero)
     exponent = tirx.Cast(int_dtype, n) + 126
     scale = tirx.reinterpret(dtype, tirx.shift_left(exponent, tirx.const(23, "int32")))
-    return _keep_nan(x, poly * scale * 2.0)
+    return poly * scale * 2.0
 
 
 def fast_erf(x):
     """erf(x) for a float32 (or float32 vector) expression, as vectorizable arithmetic."""
-    clamped = tirx.max(tirx.min(x, tirx.const(4.0, "float32")), tirx.const(-4.0, "float32"))
-    x2 = clamped * clamped
-    return _keep_nan(x, clamped * _horner(x2, _ERF_P) / _horner(x2, _ERF_Q))
+    x = _clamp(x, -4.0, 4.0)
+    x2 = x * x
+    return x * _horner(x2, _ERF_P) / _horner(x2, _ERF_Q)
 
 
 def _float32_only(rewrite):

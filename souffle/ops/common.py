@@ -46,16 +46,16 @@ def nan_max(a, b):
     """max(a, b) that is NaN when either operand is, as torch.maximum, relu and max pooling are.
 
     TVM's max is not: LLVM gets select(a > b, a, b), which is b when either is NaN, and CUDA
-    gets fmaxf, which returns the operand that is not NaN. A constant operand is never NaN and
-    is not tested; integer operands need no test.
+    gets fmaxf, which returns the operand that is not NaN. Here b is taken where b > a or b is
+    NaN: a comparison with NaN is false, so a NaN ``a`` is kept. A constant ``b`` (relu's 0) is
+    never NaN, and the select alone is one vector max instruction that keeps NaN.
     """
-    result = tirx.max(a, b)
     if not str(a.ty.dtype).startswith("float"):
-        return result
-    for operand in (b, a):
-        if not isinstance(operand, tirx.FloatImm):
-            result = tirx.Select(tirx.isnan(operand), operand, result)
-    return result
+        return tirx.max(a, b)
+    take_b = b > a
+    if not isinstance(b, tirx.FloatImm):
+        take_b = tirx.Or(take_b, tirx.isnan(b))
+    return tirx.Select(take_b, b, a)
 
 
 def int_list(value, name: str, minimum: int | None = None) -> tuple[int, ...]:
