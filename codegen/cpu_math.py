@@ -51,6 +51,18 @@ def _clamp(x, low: float, high: float):
     return tirx.Select(x < low, low, tirx.Select(x > high, high, x))
 
 
+def _bound_once(rewrite):
+    """``rewrite`` applied to a variable bound to its argument by a let: a TIR expression is a
+    tree, so an argument used several times would be copied each time, and nested calls
+    (tanh(tanh(x)), each tanh through two exps) would multiply the copies."""
+
+    def bound(x):
+        var = tirx.Var("arg", x.ty.dtype)
+        return tirx.Let(var, x, rewrite(var))
+
+    return bound
+
+
 def fast_exp(x):
     """exp(x) for a float32 (or float32 vector) expression, as vectorizable arithmetic."""
     dtype = str(x.ty.dtype)
@@ -93,5 +105,5 @@ def register_llvm_math():
     if _registered:
         return
     _registered = True
-    tirx.register_intrin_lowering("tirx.exp", target="llvm", f=_float32_only(fast_exp), level=_LOWERING_LEVEL)
-    tirx.register_intrin_lowering("tirx.erf", target="llvm", f=_float32_only(fast_erf), level=_LOWERING_LEVEL)
+    tirx.register_intrin_lowering("tirx.exp", target="llvm", f=_float32_only(_bound_once(fast_exp)), level=_LOWERING_LEVEL)
+    tirx.register_intrin_lowering("tirx.erf", target="llvm", f=_float32_only(_bound_once(fast_erf)), level=_LOWERING_LEVEL)
