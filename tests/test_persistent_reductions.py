@@ -43,7 +43,7 @@ def _single(kind: str, shape):
     else:
         y = b.op("mean", x)
     graph = b.build(y)
-    w = {k: torch.from_numpy(v) for k, v in graph.weights.items()}
+    w = {k: torch.from_numpy(v.copy()) for k, v in graph.weights.items()}
 
     def reference(t):
         if kind == "softmax":
@@ -74,7 +74,7 @@ def _family(shape):
     if len(shape) == 4:
         outputs.append(b.op("mul", b.op("global_avg_pool2d", x), _param(b, rng, "wg", (16,))))
     graph = b.build(*outputs)
-    w = {k: torch.from_numpy(v) for k, v in graph.weights.items()}
+    w = {k: torch.from_numpy(v.copy()) for k, v in graph.weights.items()}
 
     def reference(t):
         expected = [torch.softmax(t, -1) * w["ws"],
