@@ -303,3 +303,42 @@ def test_cuda_kernel_of_relu_and_max_pool_builds_without_a_float_max(opt_level):
     model = souffle.compile(graph, target="cuda", opt_level=opt_level)  # nvcc builds it, or this raises
     assert not re.search(r"\bf?max[f]?\(", model.source)
     assert " != " in model.source  # the running maximum's NaN test on each window element
+
+
+def _folding_graph():
+    """The patterns TVM's simplifier folds as if floats were reals (e - e to 0, (x + y) - x to
+    y, x * 0 and 0 / x to 0), each reached as the fuzzer reached them: one tensor on both sides,
+    a constant tensor or factor inlined into its consumer."""
+    b = GraphBuilder("folds")
+    b.input("x", (4, 5))
+    b.input("y", (1, 5))
+    b.op("full", name="zeros", shape=[4, 5], value=0.0)
+    b.op("full", name="negative_zeros", shape=[5], value=-0.0)
+    b.op("relu", "x", name="r")
+    b.op("sub", "r", "r", name="same_minus_same")
+    b.op("sub", b.op("add", "x", "y", name="x_plus_y"), "x", name="sum_minus_x")
+    b.op("mul", "x", "zeros", name="times_zeros")
+    b.op("mul", "negative_zeros", "x", name="negative_zeros_times")
+    b.op("div", "zeros", "x", name="zeros_over")
+    b.op("scale", "x", name="scaled_by_zero", factor=0.0)
+    outputs = ["same_minus_same", "sum_minus_x", "times_zeros", "negative_zeros_times", "zeros_over", "scaled_by_zero"]
+    return b.build(*outputs)
+
+
+def _folding_reference(x, y):
+    r = torch.relu(x)
+    zeros = torch.zeros(4, 5, dtype=x.dtype)
+    return [r - r, (x + y) - x, x * zeros, torch.full((5,), -0.0, dtype=x.dtype) * x, zeros / x, x * 0.0]
+
+
+@pytest.mark.parametrize("target, opt_level", [*CPU_TARGETS, ("llvm-persistent", 2)])
+def test_tvm_real_number_folds_do_not_drop_nan_or_inf(target, opt_level):
+    graph = _folding_graph()
+    x = flat_specials((4, 5), seed=3)
+    x[1, 0] = 0.0  # 0 / 0
+    y = values((1, 5), seed=4)
+    compiled = souffle.compile(graph, target=target, opt_level=opt_level)
+    want = _folding_reference(torch.from_numpy(x.astype(np.float64)), torch.from_numpy(y.astype(np.float64)))
+    for name, g, w in zip(graph.outputs, compiled.run({"x": x, "y": y}), want):
+        assert mismatch(g, w.numpy()) is None, (name, mismatch(g, w.numpy()))
+        assert np.isnan(g).any(), name  # each pattern meets a NaN or infinity here

@@ -42,6 +42,34 @@ def require_finite(attrs, *names):
             fail(f"{name} must be a finite number, got {attrs[name]!r}")
 
 
+def ieee_constant(value, dtype: str):
+    """A constant that TVM's simplifier cannot fold away where it meets a tensor element.
+
+    TVM folds x * 0, 0 * x and 0 / x to 0 when the zero is a literal: true of real numbers,
+    not of IEEE floats (inf * 0 and 0 / 0 are NaN, as torch computes them). A literal zero
+    meets another tensor wherever a constant tensor (``full``) or factor (``scale``) is inlined
+    into its consumer. A float zero is therefore written as fabs(0.0), a call that TVM keeps and
+    that LLVM and nvcc fold to the constant without the unsafe rewrite (they assume IEEE).
+    """
+    if not dtype.startswith("float") or value != 0:
+        return tirx.const(value, dtype)
+    zero = tirx.call_intrin(dtype, "tirx.fabs", tirx.const(0.0, dtype))
+    return zero * tirx.const(-1.0, dtype) if math.copysign(1.0, value) < 0 else zero
+
+
+def ieee_sub(a, b):
+    """a - b written as a + b * -1, bit for bit the same in IEEE arithmetic.
+
+    TVM's simplifier rewrites e - e to 0 and (x + y) - x to y, which drop a NaN or infinite e
+    or x (inf - inf is NaN in torch); structurally equal operands appear when both sides read
+    one tensor or after inlining. It has no such rule for the sum, and LLVM turns the sum back
+    into one subtraction (exact), so the form costs nothing.
+    """
+    if not str(a.ty.dtype).startswith("float"):
+        return a - b
+    return a + b * tirx.const(-1.0, a.ty.dtype)
+
+
 def nan_max(a, b):
     """max(a, b) that is NaN when either operand is, as torch.maximum, relu and max pooling are.
 

@@ -8,7 +8,8 @@ import numpy as np
 import tvm
 from tvm import te, topi
 
-from souffle.ops.common import int_list, is_real, nan_max, require_finite, require_float, require_same_dtype
+from souffle.ops.common import (ieee_constant, ieee_sub, int_list, is_real, nan_max, require_finite, require_float,
+                                require_same_dtype, shape_of)
 from souffle.ops.registry import export_rule, fail, register_op
 from souffle.tensor import SUPPORTED_DTYPES
 
@@ -45,8 +46,20 @@ def _float_binary(specs, attrs):
     return _binary(specs, attrs)
 
 
+def _broadcast(a: te.Tensor, b: te.Tensor, combine, name: str) -> te.Tensor:
+    """combine(a, b) elementwise over the NumPy broadcast of their shapes, indexed as topi's
+    broadcast ops index (a dimension of size 1 read at 0), for ops topi's form would not keep."""
+    shape = broadcast_shape(shape_of(a), shape_of(b))
+
+    def element(tensor: te.Tensor, index):
+        dims = shape_of(tensor)
+        return tensor(*(0 if d == 1 else i for d, i in zip(dims, index[len(index) - len(dims):])))
+
+    return te.compute(shape, lambda *i: combine(element(a, i), element(b, i)), name=name, tag=topi.tag.BROADCAST)
+
+
 def _const(value: float, like: te.Tensor):
-    return tvm.tirx.const(value, like.dtype)
+    return ieee_constant(value, str(like.dtype))
 
 
 def _onnx_node(op_type: str):
@@ -126,7 +139,7 @@ export_rule("add")(_onnx_node("Add"))
 
 @register_op("sub", infer=_binary, n_inputs=2)
 def sub(inputs):
-    return topi.subtract(inputs[0], inputs[1])
+    return _broadcast(inputs[0], inputs[1], ieee_sub, "T_subtract")
 
 
 export_rule("sub")(_onnx_node("Sub"))
@@ -191,8 +204,8 @@ def _full(specs, attrs):
 @register_op("full", infer=_full, n_inputs=0, attrs={"shape": None, "value": 0.0, "dtype": "float32"})
 def full(inputs, shape, value, dtype):
     """A constant tensor, like torch.full."""
-    fill = value if dtype.startswith("float") else int(value)
-    return topi.full(int_list(shape, "shape"), dtype, fill)
+    fill = ieee_constant(value if dtype.startswith("float") else int(value), dtype)
+    return te.compute(int_list(shape, "shape"), lambda *_: fill, name="T_full", tag=topi.tag.ELEMWISE)
 
 
 @export_rule("full")
