@@ -7,16 +7,19 @@ compiled kernel on a machine with only numpy and cuda-python.
 from souffle.errors import (
     GraphError,
     InputError,
+    ModelImportError,
     SouffleError,
     TargetError,
     UnknownModelError,
     UnknownOpError,
+    UnsupportedOpError,
     WeightError,
 )
 from souffle.graph import Graph, GraphBuilder, Op, Scan, TensorSpec
 
 _LAZY = {"compile": "souffle.compiler", "CompiledModel": "souffle.compiler", "Report": "souffle.compiler",
-         "models": "souffle.models"}
+         "models": "souffle.models", "from_torch": "souffle.importers.torch_export",
+         "from_onnx": "souffle.importers.onnx_import"}
 
 
 def __getattr__(name: str):
@@ -28,7 +31,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'souffle' has no attribute {name!r}")
 
 __all__ = [
-    "CompiledModel", "Graph", "GraphBuilder", "GraphError", "InputError", "Op", "Report", "Scan",
-    "SouffleError", "TargetError", "TensorSpec", "UnknownModelError", "UnknownOpError", "WeightError",
-    "compile", "models",
+    "CompiledModel", "Graph", "GraphBuilder", "GraphError", "InputError", "ModelImportError", "Op", "Report",
+    "Scan", "SouffleError", "TargetError", "TensorSpec", "UnknownModelError", "UnknownOpError",
+    "UnsupportedOpError", "WeightError", "compile", "from_onnx", "from_torch", "models",
 ]

@@ -46,3 +46,12 @@ class UnknownDeviceError(_UnknownNameError):
 
 class TargetError(SouffleError, RuntimeError):
     """A compilation target that is unknown or not available on this machine."""
+
+
+class ModelImportError(SouffleError, ValueError):
+    """A PyTorch or ONNX model that cannot become a static souffle Graph (symbolic shapes,
+    data-dependent control flow, an export that failed)."""
+
+
+class UnsupportedOpError(ModelImportError):
+    """An op of an imported model with no conversion rule; the message names it and where it is."""

@@ -461,6 +461,21 @@ def _mean_onnx(e, inputs, outputs, attrs):
         e.node("ReduceMean", [x], outputs, axes=axes, keepdims=keepdims)
 
 
+@register_op("sum", infer=_mean, n_inputs=1, attrs={"axes": None, "keepdims": False})
+def sum_op(inputs, axes, keepdims):
+    """torch.sum over ``axes`` (all axes when None)."""
+    x = inputs[0]
+    return topi.sum(x, axis=list(_mean_axes(len(x.shape), axes)), keepdims=keepdims)
+
+
+@export_rule("sum")
+def _sum_onnx(e, inputs, outputs, attrs):
+    """ReduceSum takes its axes as an input from opset 13."""
+    (x,) = inputs
+    axes = list(_mean_axes(len(e.shape(x)), attrs["axes"]))
+    e.node("ReduceSum", [x, e.const(axes)], outputs, keepdims=int(attrs["keepdims"]))
+
+
 # -- lookup ------------------------------------------------------------------------------------
 def _embedding(specs, attrs):
     table, ids = specs

@@ -212,3 +212,42 @@ def _flatten_onnx(e, inputs, outputs, attrs):
     """Reshape, since ONNX Flatten always makes a 2-D result."""
     (x,) = inputs
     e.node("Reshape", [x, e.const(_flat_shape(e.shape(x), attrs["start_dim"], attrs["end_dim"]))], outputs)
+
+
+def _expand_target(shape: tuple[int, ...], target) -> tuple[int, ...]:
+    """torch.Tensor.expand's shape: new leading axes, size-1 axes stretched, -1 keeps a size."""
+    if target is None:
+        fail("shape is required")
+    dims = int_list(target, "shape", minimum=-1)
+    if len(dims) < len(shape):
+        fail(f"cannot expand {list(shape)} to fewer dimensions {list(dims)}")
+    lead = len(dims) - len(shape)
+    out = list(dims[:lead])
+    if -1 in out:
+        fail(f"-1 is not allowed for the new leading dimensions of {list(dims)}")
+    for size, want in zip(shape, dims[lead:]):
+        if want == -1:
+            want = size
+        if size != want and size != 1:
+            fail(f"cannot expand {list(shape)} to {list(dims)}: only size-1 dimensions stretch")
+        out.append(want)
+    if 0 in out:
+        fail(f"shape {list(dims)} has a zero dimension")
+    return tuple(out)
+
+
+def _expand(specs, attrs):
+    return [(_expand_target(specs[0].shape, attrs["shape"]), specs[0].dtype)]
+
+
+@register_op("expand", infer=_expand, n_inputs=1, attrs={"shape": None})
+def expand(inputs, shape):
+    """x broadcast to ``shape``, as torch.Tensor.expand (a copy: every output is its own buffer)."""
+    x = inputs[0]
+    return topi.broadcast_to(x, _expand_target(shape_of(x), shape))
+
+
+@export_rule("expand")
+def _expand_onnx(e, inputs, outputs, attrs):
+    (x,) = inputs
+    e.node("Expand", [x, e.const(_expand_target(e.shape(x), attrs["shape"]))], outputs)

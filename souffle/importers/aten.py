@@ -1,0 +1,403 @@
+"""ATen op -> souffle ops: the conversion rules of ``from_torch``, one table.
+
+A rule is ``rule(ctx, *args, **kwargs)`` for one ATen overload, called with the node's
+arguments where each graph value is a ``Tensor`` (a graph tensor) or a ``Constant`` (known at
+import time); it adds ops through ``ctx.op`` and returns the node's value (a tuple for a
+node with several outputs, None where souffle does not compute one). ``ctx.fail(reason)``
+refuses the node with its name and source line. Adding an ATen op is one ``@rule`` here.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from souffle.graph import GraphBuilder
+
+getitem = operator.getitem
+
+# Ops torch.export's default decomposition would split but the op registry computes whole.
+KEPT = ("linear.default", "layer_norm.default", "lstm.input", "gelu.default", "silu.default",
+        "hardswish.default", "hardsigmoid.default", "hardtanh.default")
+
+RULES: dict[str, object] = {}
+
+
+def rule(*overloads: str):
+    """Register a conversion rule for ATen ``overloads`` (``"add.Tensor"`` is ``aten.add.Tensor``)."""
+
+    def decorate(fn):
+        for overload in overloads:
+            key = f"aten.{overload}"
+            if key in RULES:
+                raise ValueError(f"{key} has two conversion rules")
+            RULES[key] = fn
+        return fn
+
+    return decorate
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _promoted(ctx, value):
+    """``value`` as a tensor of the node's result dtype (torch's type promotion)."""
+    if _is_number(value):
+        return value
+    dtype = ctx.out_dtype()
+    return value if ctx.dtype(value) == dtype else ctx.op("cast", value, dtype=dtype)
+
+
+def _scalar_tensor(ctx, number):
+    return ctx.op("full", shape=(1,), value=number, dtype=ctx.out_dtype())
+
+
+def _binary(ctx, kind: str, a, b):
+    a, b = _promoted(ctx, a), _promoted(ctx, b)
+    floating = ctx.out_dtype().startswith("float")
+    if floating and kind == "mul" and _is_number(b):
+        return ctx.op("scale", a, factor=float(b))
+    if floating and kind == "mul" and _is_number(a):
+        return ctx.op("scale", b, factor=float(a))
+    if floating and kind == "div" and _is_number(b) and b != 0:
+        return ctx.op("scale", a, factor=1.0 / float(b))
+    a = _scalar_tensor(ctx, a) if _is_number(a) else a
+    b = _scalar_tensor(ctx, b) if _is_number(b) else b
+    return ctx.op(kind, a, b)
+
+
+# -- elementwise ---------------------------------------------------------------------------------
+@rule("add.Tensor", "add.Scalar")
+def _add(ctx, a, b, alpha=1):
+    if alpha != 1:
+        b = _binary(ctx, "mul", b, alpha)
+    return _binary(ctx, "add", a, b)
+
+
+@rule("sub.Tensor", "sub.Scalar")
+def _sub(ctx, a, b, alpha=1):
+    if alpha != 1:
+        b = _binary(ctx, "mul", b, alpha)
+    return _binary(ctx, "sub", a, b)
+
+
+@rule("rsub.Scalar", "rsub.Tensor")
+def _rsub(ctx, a, b, alpha=1):
+    if alpha != 1:
+        a = _binary(ctx, "mul", a, alpha)
+    return _binary(ctx, "sub", b, a)
+
+
+@rule("mul.Tensor", "mul.Scalar")
+def _mul(ctx, a, b):
+    return _binary(ctx, "mul", a, b)
+
+
+@rule("div.Tensor", "div.Scalar")
+def _div(ctx, a, b):
+    return _binary(ctx, "div", a, b)
+
+
+def _unary(kind: str):
+    def convert(ctx, x):
+        return ctx.op(kind, x)
+
+    return convert
+
+
+for _overload, _kind in {
+    "relu.default": "relu", "sigmoid.default": "sigmoid", "tanh.default": "tanh", "exp.default": "exp",
+    "log.default": "log", "sqrt.default": "sqrt", "rsqrt.default": "rsqrt", "erf.default": "erf",
+    "neg.default": "neg", "abs.default": "abs", "silu.default": "silu", "hardswish.default": "hardswish",
+    "hardsigmoid.default": "hardsigmoid",
+}.items():
+    rule(_overload)(_unary(_kind))
+
+
+@rule("gelu.default")
+def _gelu(ctx, x, approximate="none"):
+    return ctx.op("gelu" if approximate == "none" else "gelu_tanh", x)
+
+
+@rule("hardtanh.default")
+def _hardtanh(ctx, x, min_val=-1.0, max_val=1.0):
+    return ctx.op("clamp", x, min=float(min_val), max=float(max_val))
+
+
+@rule("clamp.default")
+def _clamp(ctx, x, min=None, max=None):  # noqa: A002  (ATen's argument names)
+    if not all(bound is None or _is_number(bound) for bound in (min, max)):
+        ctx.fail("tensor bounds are not supported, only numbers")
+    return ctx.op("clamp", x, min=min, max=max)
+
+
+@rule("pow.Tensor_Scalar")
+def _pow(ctx, x, exponent):
+    if not _is_number(exponent):
+        ctx.fail("only a constant exponent is supported")
+    return ctx.op("pow", x, exponent=float(exponent))
+
+
+@rule("_to_copy.default")
+def _to_copy(ctx, x, dtype=None, **_layout):
+    return _promoted(ctx, x)
+
+
+@rule("clone.default", "alias.default", "detach.default", "lift_fresh_copy.default")
+def _identity(ctx, x, **_memory_format):
+    return x
+
+
+@rule("dropout.default")
+def _dropout(ctx, x, p, train):
+    if train:
+        ctx.fail("dropout in training mode is random; call module.eval()")
+    return x
+
+
+# -- shapes --------------------------------------------------------------------------------------
+@rule("view.default", "_unsafe_view.default", "reshape.default", "unsqueeze.default", "squeeze.dim",
+      "squeeze.dims", "squeeze.default", "flatten.using_ints")
+def _reshape(ctx, x, *_shape_args):
+    shape = ctx.out_shape()
+    return x if ctx.shape(x) == shape else ctx.op("reshape", x, shape=shape)
+
+
+@rule("permute.default")
+def _permute(ctx, x, dims):
+    return ctx.op("transpose", x, axes=[d % len(ctx.shape(x)) for d in dims])
+
+
+@rule("t.default")
+def _t(ctx, x):
+    return ctx.op("transpose", x) if len(ctx.shape(x)) == 2 else x
+
+
+@rule("transpose.int")
+def _transpose(ctx, x, dim0, dim1):
+    axes = list(range(len(ctx.shape(x))))
+    axes[dim0], axes[dim1] = axes[dim1], axes[dim0]
+    return ctx.op("transpose", x, axes=axes)
+
+
+@rule("expand.default")
+def _expand(ctx, x, sizes, implicit=False):
+    shape = ctx.out_shape()
+    return x if ctx.shape(x) == shape else ctx.op("expand", x, shape=shape)
+
+
+@rule("cat.default")
+def _cat(ctx, tensors, dim=0):
+    return ctx.op("concat", *tensors, axis=dim)
+
+
+@rule("slice.Tensor")
+def _slice(ctx, x, dim=0, start=None, end=None, step=1):
+    shape = ctx.shape(x)
+    start, stop, step = slice(start, end, step).indices(shape[dim])
+    if (start, stop, step) == (0, shape[dim], 1):
+        return x
+    return ctx.op("slice", x, begin=[start], end=[stop], axis=[dim], strides=[step])
+
+
+@rule("select.int")
+def _select(ctx, x, dim, index):
+    size = ctx.shape(x)[dim]
+    index = index % size
+    piece = ctx.op("slice", x, begin=[index], end=[index + 1], axis=[dim])
+    return ctx.op("reshape", piece, shape=ctx.out_shape())
+
+
+@rule("split_with_sizes.default", "split.Tensor")
+def _split(ctx, x, sizes, dim=0):
+    size = ctx.shape(x)[dim]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, size - start) for start in range(0, size, sizes)]
+    if len(sizes) == 1:
+        return (x,)
+    pieces = ctx.op("split", x, sizes=list(sizes), axis=dim)
+    return tuple(pieces)
+
+
+@rule("unbind.int")
+def _unbind(ctx, x, dim=0):
+    shape = ctx.shape(x)
+    outer = shape[:dim % len(shape)] + shape[dim % len(shape) + 1:]
+    pieces = ctx.op("split", x, sections=shape[dim], axis=dim) if shape[dim] > 1 else (x,)
+    return tuple(ctx.op("reshape", piece, shape=outer) for piece in pieces)
+
+
+# -- linear algebra ------------------------------------------------------------------------------
+@rule("linear.default")
+def _linear(ctx, x, weight, bias=None):
+    return ctx.op("dense", x, weight, *([bias] if bias is not None else []))
+
+
+@rule("mm.default")
+def _mm(ctx, a, b):
+    return ctx.op("matmul", a, b)
+
+
+@rule("bmm.default")
+def _bmm(ctx, a, b):
+    return ctx.op("batch_matmul", a, b)
+
+
+@rule("addmm.default")
+def _addmm(ctx, bias, a, b, beta=1, alpha=1):
+    product = ctx.op("matmul", a, b)
+    if alpha != 1:
+        product = _binary(ctx, "mul", product, alpha)
+    if beta != 1:
+        bias = _binary(ctx, "mul", bias, beta)
+    return ctx.op("add", product, bias)
+
+
+@rule("convolution.default")
+def _convolution(ctx, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed:
+        ctx.fail("transposed convolution is not supported")
+    if len(ctx.shape(x)) != 4:
+        ctx.fail(f"only 2-D convolution (a 4-D input) is supported, got a {len(ctx.shape(x))}-D input")
+    inputs = [x, weight] + ([bias] if bias is not None else [])
+    return ctx.op("conv2d", *inputs, stride=list(stride), padding=list(padding), dilation=list(dilation),
+                  groups=groups)
+
+
+# -- normalization, softmax, pooling, reductions -------------------------------------------------
+def _ones(ctx, size: int):
+    return ctx.op("full", shape=(size,), value=1.0, dtype=ctx.out_dtype())
+
+
+def _zeros(ctx, size: int):
+    return ctx.op("full", shape=(size,), value=0.0, dtype=ctx.out_dtype())
+
+
+@rule("_native_batch_norm_legit_no_training.default")
+def _batch_norm(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
+    channels = ctx.shape(x)[1]
+    weight = _ones(ctx, channels) if weight is None else weight
+    bias = _zeros(ctx, channels) if bias is None else bias
+    return ctx.op("batch_norm", x, weight, bias, running_mean, running_var, eps=float(eps)), None, None
+
+
+@rule("layer_norm.default")
+def _layer_norm(ctx, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=False):
+    if len(normalized_shape) != 1:
+        ctx.fail(f"layer_norm over {len(normalized_shape)} trailing dimensions; souffle normalizes the last one")
+    size = normalized_shape[0]
+    weight = _ones(ctx, size) if weight is None else weight
+    bias = _zeros(ctx, size) if bias is None else bias
+    return ctx.op("layer_norm", x, weight, bias, eps=float(eps))
+
+
+@rule("_softmax.default")
+def _softmax(ctx, x, dim, half_to_float=False):
+    return ctx.op("softmax", x, axis=dim)
+
+
+@rule("mean.dim")
+def _mean(ctx, x, dims, keepdim=False, dtype=None):
+    return ctx.op("mean", x, axes=list(dims) if dims else None, keepdims=bool(keepdim))
+
+
+@rule("sum.dim_IntList")
+def _sum(ctx, x, dims, keepdim=False, dtype=None):
+    return ctx.op("sum", _promoted(ctx, x), axes=list(dims) if dims else None, keepdims=bool(keepdim))
+
+
+@rule("max_pool2d_with_indices.default")
+def _max_pool2d(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    pooled = ctx.op("max_pool2d", x, kernel=list(kernel_size), stride=list(stride) or None, padding=padding,
+                    dilation=dilation, ceil_mode=bool(ceil_mode))
+    return pooled, None
+
+
+@rule("avg_pool2d.default")
+def _avg_pool2d(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                divisor_override=None):
+    if divisor_override is not None:
+        ctx.fail("divisor_override is not supported")
+    return ctx.op("avg_pool2d", x, kernel=list(kernel_size), stride=list(stride) or None, padding=padding,
+                  ceil_mode=bool(ceil_mode), count_include_pad=bool(count_include_pad))
+
+
+@rule("_adaptive_avg_pool2d.default")
+def _adaptive_avg_pool2d(ctx, x, output_size):
+    height, width = ctx.shape(x)[2:]
+    out_h, out_w = output_size
+    if (out_h, out_w) == (1, 1):
+        return ctx.op("global_avg_pool2d", x)
+    if height % out_h or width % out_w:
+        ctx.fail(f"adaptive pooling of {height}x{width} to {out_h}x{out_w} has uneven windows")
+    kernel = [height // out_h, width // out_w]
+    return ctx.op("avg_pool2d", x, kernel=kernel, stride=kernel)
+
+
+@rule("embedding.default")
+def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return ctx.op("embedding", weight, indices)
+
+
+# -- recurrence ----------------------------------------------------------------------------------
+@rule("lstm.input")
+def _lstm(ctx, x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """torch.nn.LSTM as one time scan per layer over the cell (the sequence chained from layer
+    to layer), the form the wavefront pass recognises; a zero initial state stays a ``full``."""
+    if bidirectional:
+        ctx.fail("a bidirectional LSTM is not supported")
+    per_layer = 4 if has_biases else 2
+    if len(params) != per_layer * num_layers:
+        ctx.fail("an LSTM with proj_size is not supported")
+    if batch_first:
+        x = ctx.op("transpose", x, axes=[1, 0, 2])
+    steps, batch, _ = ctx.shape(x)
+    hidden = ctx.shape(params[1])[1]
+    h0, c0 = hx
+    sequence, h_finals, c_finals = x, [], []
+    for layer in range(num_layers):
+        weights = params[per_layer * layer: per_layer * (layer + 1)]
+        h_init, c_init = (_layer_state(ctx, state, layer, num_layers, batch, hidden) for state in (h0, c0))
+        cell = _lstm_cell(ctx.shape(sequence)[2], hidden, batch, has_biases)
+        names = ("w_ih", "w_hh", "b_ih", "b_hh")[:per_layer]
+        (h_n, c_n), (sequence_name,) = ctx.builder.scan(
+            cell, steps, name=ctx.fresh(f"{ctx.node.name}.l{layer}"),
+            carry=[("h", "h_next", ctx.tensor(h_init)), ("c", "c_next", ctx.tensor(c_init))],
+            xs=[("x_t", ctx.tensor(sequence))], ys=["h_next"],
+            invariants=[(inner, ctx.tensor(outer)) for inner, outer in zip(names, weights)])
+        sequence = ctx.value(sequence_name)
+        h_finals.append(ctx.op("reshape", ctx.value(h_n), shape=(1, batch, hidden)))
+        c_finals.append(ctx.op("reshape", ctx.value(c_n), shape=(1, batch, hidden)))
+    if batch_first:
+        sequence = ctx.op("transpose", sequence, axes=[1, 0, 2])
+    return sequence, _stacked(ctx, h_finals), _stacked(ctx, c_finals)
+
+
+def _stacked(ctx, finals: list):
+    return finals[0] if len(finals) == 1 else ctx.op("concat", *finals, axis=0)
+
+
+def _layer_state(ctx, state, layer: int, layers: int, batch: int, hidden: int):
+    """Layer ``layer``'s initial (batch, hidden) state from the (layers, batch, hidden) one; a
+    constant state stays a constant (torch's zeros a ``full`` op, as the wavefront needs)."""
+    if ctx.is_constant(state):
+        return ctx.constant(state.value[layer], f"{state.name}.l{layer}")
+    if layers == 1:
+        return ctx.op("reshape", state, shape=(batch, hidden))
+    piece = ctx.op("slice", state, begin=[layer], end=[layer + 1], axis=[0])
+    return ctx.op("reshape", piece, shape=(batch, hidden))
+
+
+def _lstm_cell(inputs: int, hidden: int, batch: int, biased: bool):
+    """One cell (x_t, h, c) -> (h_next, c_next) with torch.nn.LSTM's gates i, f, g, o."""
+    b = GraphBuilder("lstm_cell")
+    x_t, h, c = b.input("x_t", (batch, inputs)), b.input("h", (batch, hidden)), b.input("c", (batch, hidden))
+    w_ih, w_hh = b.input("w_ih", (4 * hidden, inputs)), b.input("w_hh", (4 * hidden, hidden))
+    biases = [[b.input("b_ih", (4 * hidden,))], [b.input("b_hh", (4 * hidden,))]] if biased else [[], []]
+    gates = b.op("add", b.op("dense", x_t, w_ih, *biases[0]), b.op("dense", h, w_hh, *biases[1]), name="gates")
+    i, f, g, o = (b.op("slice", gates, begin=k * hidden, end=(k + 1) * hidden, axis=1, name=f"gate_{gate}")
+                  for k, gate in enumerate("ifgo"))
+    c_next = b.op("add", b.op("mul", b.op("sigmoid", f), c), b.op("mul", b.op("sigmoid", i), b.op("tanh", g)),
+                  name="c_next")
+    h_next = b.op("mul", b.op("sigmoid", o), b.op("tanh", c_next), name="h_next")
+    return b.build(h_next, c_next)
