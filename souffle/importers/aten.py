@@ -148,6 +148,12 @@ def _identity(ctx, x, **_memory_format):
     return x
 
 
+@rule("_assert_tensor_metadata.default", "_assert_scalar.default")
+def _assertion(ctx, *args, **kwargs):
+    """torch.export's checks of what tracing assumed; the static graph holds them by construction."""
+    return None
+
+
 @rule("dropout.default")
 def _dropout(ctx, x, p, train):
     if train:

@@ -198,8 +198,8 @@ class _Importer:
         rule = aten.RULES.get(str(node.target))
         if rule is None:
             raise UnsupportedOpError(
-                f"unsupported op {node.target} (node {node.name!r}) at {source_line(node)}; "
-                f"souffle converts: {', '.join(sorted(aten.RULES))}")
+                f"unsupported op {node.target} (node {node.name!r}) at {source_line(node)}: souffle has no "
+                f"conversion rule for it (the {len(aten.RULES)} it has are in souffle.importers.aten)")
         try:
             result = rule(self, *args, **kwargs)
         except GraphError as err:

@@ -101,11 +101,12 @@ def _clamp(specs, attrs):
 
 def _clamped(v, low, high):
     """min(max(v, low), high) as selects that keep a NaN ``v``, as torch.clamp does."""
+    dtype = v.ty.dtype
     if low is not None:
-        low = tvm.tirx.const(low, v.dtype)
+        low = tvm.tirx.const(low, dtype)
         v = tvm.tirx.Select(v < low, low, v)
     if high is not None:
-        high = tvm.tirx.const(high, v.dtype)
+        high = tvm.tirx.const(high, dtype)
         v = tvm.tirx.Select(v > high, high, v)
     return v
 
