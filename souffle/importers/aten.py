@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 
-from souffle.graph import GraphBuilder
+from souffle.importers import recurrent
 
 getitem = operator.getitem
 
@@ -348,8 +348,7 @@ def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, s
 # -- recurrence ----------------------------------------------------------------------------------
 @rule("lstm.input")
 def _lstm(ctx, x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    """torch.nn.LSTM as one time scan per layer over the cell (the sequence chained from layer
-    to layer), the form the wavefront pass recognises; a zero initial state stays a ``full``."""
+    """torch.nn.LSTM as one time scan per layer (``recurrent.lstm_layer``)."""
     if bidirectional:
         ctx.fail("a bidirectional LSTM is not supported")
     per_layer = 4 if has_biases else 2
@@ -357,53 +356,14 @@ def _lstm(ctx, x, hx, params, has_biases, num_layers, dropout, train, bidirectio
         ctx.fail("an LSTM with proj_size is not supported")
     if batch_first:
         x = ctx.op("transpose", x, axes=[1, 0, 2])
-    steps, batch, _ = ctx.shape(x)
-    hidden = ctx.shape(params[1])[1]
     h0, c0 = hx
     sequence, h_finals, c_finals = x, [], []
     for layer in range(num_layers):
-        weights = params[per_layer * layer: per_layer * (layer + 1)]
-        h_init, c_init = (_layer_state(ctx, state, layer, num_layers, batch, hidden) for state in (h0, c0))
-        cell = _lstm_cell(ctx.shape(sequence)[2], hidden, batch, has_biases)
-        names = ("w_ih", "w_hh", "b_ih", "b_hh")[:per_layer]
-        (h_n, c_n), (sequence_name,) = ctx.builder.scan(
-            cell, steps, name=ctx.fresh(f"{ctx.node.name}.l{layer}"),
-            carry=[("h", "h_next", ctx.tensor(h_init)), ("c", "c_next", ctx.tensor(c_init))],
-            xs=[("x_t", ctx.tensor(sequence))], ys=["h_next"],
-            invariants=[(inner, ctx.tensor(outer)) for inner, outer in zip(names, weights)])
-        sequence = ctx.value(sequence_name)
-        h_finals.append(ctx.op("reshape", ctx.value(h_n), shape=(1, batch, hidden)))
-        c_finals.append(ctx.op("reshape", ctx.value(c_n), shape=(1, batch, hidden)))
+        weights = list(params[per_layer * layer: per_layer * (layer + 1)]) + [None] * (4 - per_layer)
+        h_init, c_init = (recurrent.layer_state(ctx, state, layer) for state in (h0, c0))
+        sequence, h_n, c_n = recurrent.lstm_layer(ctx, sequence, weights, h_init, c_init, f"{ctx.node.name}.l{layer}")
+        h_finals.append(h_n)
+        c_finals.append(c_n)
     if batch_first:
         sequence = ctx.op("transpose", sequence, axes=[1, 0, 2])
-    return sequence, _stacked(ctx, h_finals), _stacked(ctx, c_finals)
-
-
-def _stacked(ctx, finals: list):
-    return finals[0] if len(finals) == 1 else ctx.op("concat", *finals, axis=0)
-
-
-def _layer_state(ctx, state, layer: int, layers: int, batch: int, hidden: int):
-    """Layer ``layer``'s initial (batch, hidden) state from the (layers, batch, hidden) one; a
-    constant state stays a constant (torch's zeros a ``full`` op, as the wavefront needs)."""
-    if ctx.is_constant(state):
-        return ctx.constant(state.value[layer], f"{state.name}.l{layer}")
-    if layers == 1:
-        return ctx.op("reshape", state, shape=(batch, hidden))
-    piece = ctx.op("slice", state, begin=[layer], end=[layer + 1], axis=[0])
-    return ctx.op("reshape", piece, shape=(batch, hidden))
-
-
-def _lstm_cell(inputs: int, hidden: int, batch: int, biased: bool):
-    """One cell (x_t, h, c) -> (h_next, c_next) with torch.nn.LSTM's gates i, f, g, o."""
-    b = GraphBuilder("lstm_cell")
-    x_t, h, c = b.input("x_t", (batch, inputs)), b.input("h", (batch, hidden)), b.input("c", (batch, hidden))
-    w_ih, w_hh = b.input("w_ih", (4 * hidden, inputs)), b.input("w_hh", (4 * hidden, hidden))
-    biases = [[b.input("b_ih", (4 * hidden,))], [b.input("b_hh", (4 * hidden,))]] if biased else [[], []]
-    gates = b.op("add", b.op("dense", x_t, w_ih, *biases[0]), b.op("dense", h, w_hh, *biases[1]), name="gates")
-    i, f, g, o = (b.op("slice", gates, begin=k * hidden, end=(k + 1) * hidden, axis=1, name=f"gate_{gate}")
-                  for k, gate in enumerate("ifgo"))
-    c_next = b.op("add", b.op("mul", b.op("sigmoid", f), c), b.op("mul", b.op("sigmoid", i), b.op("tanh", g)),
-                  name="c_next")
-    h_next = b.op("mul", b.op("sigmoid", o), b.op("tanh", c_next), name="h_next")
-    return b.build(h_next, c_next)
+    return sequence, recurrent.stacked(ctx, h_finals), recurrent.stacked(ctx, c_finals)

@@ -18,6 +18,7 @@ import numpy as np
 from souffle.errors import GraphError, ModelImportError, UnsupportedOpError
 from souffle.graph import Graph, GraphBuilder
 from souffle.importers import onnx_rules
+from souffle.importers.prune import without_dead_ops
 from souffle.naming import UniqueNames
 from souffle.tensor import SUPPORTED_DTYPES
 
@@ -84,6 +85,7 @@ class _Importer:
         self._names = UniqueNames(separator=".")
         self._materialized: dict[str, str] = {}
         self._sources: set[str] = set()
+        self._reshaped_from: dict[str, Tensor] = {}
 
     def run(self) -> Graph:
         from onnx import helper, numpy_helper
@@ -117,7 +119,7 @@ class _Importer:
                 name = self.builder.op("copy", name, name=self._names(f"{value.name}.out"))
             outputs.append(name)
         try:
-            return self.builder.build(*outputs)
+            return without_dead_ops(self.builder.build(*outputs))
         except GraphError as err:
             raise ModelImportError(f"the imported graph is not valid: {err}") from None
 
@@ -223,3 +225,25 @@ class _Importer:
 
     def is_constant(self, value) -> bool:
         return isinstance(value, Constant)
+
+    def reshape(self, value, shape) -> Tensor:
+        """``value`` reshaped; a reshape of a reshape reads the first one's input, and one back to
+        that input's shape is the input itself (an LSTM's Y squeezed back into the next layer's
+        sequence stays the scan's own output, as the wavefront pass needs)."""
+        shape = tuple(int(d) for d in shape)
+        source = self._reshaped_from.get(value.name, value) if isinstance(value, Tensor) else value
+        if self.shape(source) == shape:
+            return source
+        result = self.op("reshape", source, shape=shape)
+        if isinstance(source, Tensor):
+            self._reshaped_from[result.name] = source
+        return result
+
+    def constant(self, array, name: str) -> Constant:
+        return Constant(np.asarray(array), self._names(name))
+
+    def value(self, name: str) -> Tensor:
+        return Tensor(name)
+
+    def fresh(self, base: str) -> str:
+        return self._names(base)

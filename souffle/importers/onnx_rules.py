@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from souffle.importers import recurrent
+
 RULES: dict[str, object] = {}
 
 # Op types computed by their rule even on constant inputs (their rules make the right op).
@@ -120,7 +122,7 @@ def _cast(ctx, inputs, attrs):
 
 # -- shapes --------------------------------------------------------------------------------------
 def _reshaped(ctx, x, shape):
-    return x if ctx.shape(x) == tuple(shape) else ctx.op("reshape", x, shape=tuple(shape))
+    return ctx.reshape(x, shape)
 
 
 @rule("Reshape")
@@ -335,3 +337,35 @@ def _reduce(ctx, inputs, attrs):
         return inputs[0]
     kind = "mean" if ctx.node.op_type == "ReduceMean" else "sum"
     return ctx.op(kind, inputs[0], axes=axes or None, keepdims=bool(attrs.get("keepdims", 1)))
+
+
+# -- recurrence ----------------------------------------------------------------------------------
+_TORCH_GATES = [0, 2, 3, 1]  # ONNX stacks the gates i, o, f, c; torch i, f, g (ONNX's c), o
+
+
+@rule("LSTM")
+def _lstm(ctx, inputs, attrs):
+    """A forward ONNX LSTM (one layer) as a time scan with its weights in torch's gate order."""
+    x, w, r, bias, lengths, h0, c0, peepholes = (list(inputs) + [None] * 8)[:8]
+    if attrs.get("direction", b"forward") not in (b"forward", "forward") or attrs.get("layout", 0):
+        ctx.fail("only a forward LSTM with layout 0 is supported")
+    if lengths is not None or peepholes is not None or "activations" in attrs or "clip" in attrs:
+        ctx.fail("sequence_lens, peepholes, custom activations and clip are not supported")
+    hidden = attrs["hidden_size"]
+    name = ctx.node.output[0] or ctx.node.name
+
+    def torch_order(array: np.ndarray, what: str):
+        rows = array.reshape((4, hidden) + array.shape[1:])[_TORCH_GATES]
+        return ctx.constant(rows.reshape(array.shape), f"{name}.{what}")
+
+    w_ih, w_hh = (_constant(ctx, v, what)[0] for v, what in ((w, "W"), (r, "R")))
+    weights = [torch_order(w_ih, "w_ih"), torch_order(w_hh, "w_hh"), None, None]
+    if bias is not None:
+        b_ih, b_hh = _constant(ctx, bias, "B").reshape(2, 4 * hidden)
+        weights[2:] = [torch_order(b_ih, "b_ih"), torch_order(b_hh, "b_hh")]
+    _, batch, _ = ctx.shape(x)
+    zeros = ctx.constant(np.zeros((1, batch, hidden), dtype=np.float32), f"{name}.zeros")
+    h_init, c_init = (recurrent.layer_state(ctx, zeros if s is None else s, 0) for s in (h0, c0))
+    outputs, h_n, c_n = recurrent.lstm_layer(ctx, x, weights, h_init, c_init, name)
+    steps = ctx.shape(x)[0]
+    return _reshaped(ctx, outputs, (steps, 1, batch, hidden)), h_n, c_n

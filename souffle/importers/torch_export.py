@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from souffle.errors import GraphError, ModelImportError, SouffleError, UnsupportedOpError
 from souffle.graph import Graph, GraphBuilder
 from souffle.importers import aten
+from souffle.importers.prune import without_dead_ops
 from souffle.naming import UniqueNames
 from souffle.tensor import SUPPORTED_DTYPES
 
@@ -155,7 +156,7 @@ class _Importer:
                 self.fail(f"{node.op} nodes are not supported")
         self.node = None
         try:
-            return self.builder.build(*self._outputs(outputs))
+            return without_dead_ops(self.builder.build(*self._outputs(outputs)))
         except GraphError as err:
             raise ModelImportError(f"the imported graph is not valid: {err}") from None
 
