@@ -23,7 +23,11 @@ def _compile(args) -> int:
         if args.target != "cuda":
             raise SouffleError(f"--emit-source writes CUDA source: it needs --target cuda, not {args.target!r}")
         _check_writable_file(args.emit_source, "--emit-source")
-    graph = models.build(args.model, config=args.config, seed=args.seed)  # refuses a seed numpy does not take
+    onnx_file = args.model.endswith(".onnx")
+    if onnx_file:
+        graph = souffle.from_onnx(args.model, _input_shapes(args.input_shape))
+    else:
+        graph = models.build(args.model, config=args.config, seed=args.seed)  # refuses a seed numpy does not take
     compiled = souffle.compile(graph, target=args.target, device=args.device, threads=args.threads,
                                opt_level=args.opt_level, dump_ir=args.dump_ir, print_after=args.print_after)
     if args.emit_source:
@@ -34,7 +38,7 @@ def _compile(args) -> int:
     if args.no_run:
         print(json.dumps(compiled.report().to_dict(), indent=2, default=str) if args.json else compiled.report())
         return 0
-    inputs = models.make_inputs(args.model, config=args.config, seed=args.seed)
+    inputs = _random_inputs(graph, args.seed) if onnx_file else models.make_inputs(args.model, config=args.config, seed=args.seed)
     outputs = compiled.run(inputs)
     times = compiled.benchmark(inputs, repeat=args.repeat)
     report = compiled.report()
@@ -42,11 +46,14 @@ def _compile(args) -> int:
     report.extra["run spread"] = f"min {min(times) * 1e3:.3f} ms, max {max(times) * 1e3:.3f} ms over {len(times)} runs"
     status = 0
     if args.check:
-        expected = models.reference(args.model, args.config, graph.weights)(inputs)
-        rtol, atol = models.tolerance(args.model, args.config)
+        if onnx_file:
+            expected, (rtol, atol) = _onnx_runtime(args.model, inputs), (1e-4, 1e-4)
+        else:
+            expected = models.reference(args.model, args.config, graph.weights)(inputs)
+            rtol, atol = models.tolerance(args.model, args.config)
         errors = [float(np.max(np.abs(o - e))) for o, e in zip(outputs, expected)]
         ok = all(np.allclose(o, e, rtol=rtol, atol=atol) for o, e in zip(outputs, expected))
-        report.extra["max abs error"] = f"{max(errors):.3g} vs PyTorch (per output: {', '.join(f'{e:.3g}' for e in errors)})"
+        report.extra["max abs error"] = f"{max(errors):.3g} vs {'ONNX Runtime' if onnx_file else 'PyTorch'} (per output: {', '.join(f'{e:.3g}' for e in errors)})"
         report.extra["check"] = f"{'PASS' if ok else 'FAIL'} (rtol {rtol:g}, atol {atol:g})"
         status = 0 if ok else 1
     if args.explain:
@@ -57,6 +64,37 @@ def _compile(args) -> int:
     else:
         print(report)
     return status
+
+
+def _input_shapes(options: list[str]) -> dict[str, tuple[int, ...]]:
+    """``NAME=1,3,224,224`` options as {name: shape}."""
+    shapes = {}
+    for option in options:
+        name, _, dims = option.partition("=")
+        try:
+            shapes[name] = tuple(int(d) for d in dims.split(","))
+        except ValueError:
+            raise SouffleError(f"--input-shape {option}: expected NAME=D1,D2,... with integer sizes") from None
+        if not name or any(d < 1 for d in shapes[name]):
+            raise SouffleError(f"--input-shape {option}: expected NAME=D1,D2,... with positive sizes")
+    return shapes
+
+
+def _random_inputs(graph, seed: int) -> dict[str, np.ndarray]:
+    """Seeded inputs for an imported model: normal floats, integers 0 or 1 (valid ids and masks)."""
+    rng = np.random.default_rng(seed)
+    return {spec.name: rng.standard_normal(spec.shape).astype(spec.dtype) if spec.dtype.startswith("float")
+            else rng.integers(0, 2, spec.shape).astype(spec.dtype) for spec in graph.inputs}
+
+
+def _onnx_runtime(path: str, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The ONNX file's outputs by ONNX Runtime: the reference an ONNX model is checked against."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise SouffleError("--check on an ONNX file needs onnxruntime; install it with `pip install onnxruntime`") from None
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return session.run(None, inputs)
 
 
 def _check_writable_file(path: str, option: str):
@@ -95,7 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="souffle", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     compile_cmd = commands.add_parser("compile", help="compile a model, run it on seeded inputs, print the report")
-    compile_cmd.add_argument("model", help=f"one of: {', '.join(MODELS)}")
+    compile_cmd.add_argument("model", help=f"one of: {', '.join(MODELS)}; or an ONNX file (model.onnx)")
+    compile_cmd.add_argument("--input-shape", metavar="NAME=D1,D2,...", action="append", default=[],
+                             help="static shape of an ONNX input whose shape is symbolic (repeatable)")
     compile_cmd.add_argument("--config", default="tiny", help="tiny (tests) or paper (the paper's sizes)")
     compile_cmd.add_argument("--target", default="llvm",
                              help="llvm (CPU), cuda (one persistent kernel; running needs a GPU), or "
