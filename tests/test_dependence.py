@@ -79,6 +79,22 @@ OPS = {
     "concat": ([(4, 8), (2, 8)], {"axis": 0}, [("T_concat", [("in1", O), ("in0", O)])]),
     "slice": ([(4, 8)], {"begin": 1, "end": 3, "axis": 0}, [("T_strided_slice_with_axes", [("in0", O)])]),
     "split": ([(4, 8)], {"sections": 2, "axis": 1}, [("T_split", [("in0", O)]), ("T_split", [("in0", O)])]),
+    # the ops imported models need (souffle.ops.math, expand, sum)
+    "exp": ([(4, 8)], {}, [("compute", [("in0", O)])]),
+    "log": ([(4, 8)], {}, [("compute", [("in0", O)])]),
+    "sqrt": ([(4, 8)], {}, [("compute", [("in0", O)])]),
+    "erf": ([(4, 8)], {}, [("compute", [("in0", O)])]),
+    "neg": ([(4, 8)], {}, [("compute", [("in0", O)])]),
+    "abs": ([(4, 8)], {}, [("compute", [("in0", O)])]),
+    "rsqrt": ([(4, 8)], {}, [("compute", [("in0", O)])]),
+    "pow": ([(4, 8)], {"exponent": 3.0}, [("pow", [("in0", O)])]),
+    "clamp": ([(4, 8)], {"min": -10.0, "max": 10.0}, [("clamp", [("in0", O)])]),
+    "hardsigmoid": ([(4, 8)], {}, [("hardsigmoid", [("in0", O)])]),
+    "hardswish": ([(4, 8)], {}, [("hardswish", [("in0", O)])]),
+    "gelu_tanh": ([(4, 8)], {}, [("gelu_tanh", [("in0", O)])]),
+    "cast": ([(4, 8)], {"dtype": "float16"}, [("compute", [("in0", O)])]),
+    "expand": ([(4, 1)], {"shape": (2, 4, 8)}, [("T_broadcast_to", [("in0", M)])]),
+    "sum": ([(4, 8)], {"axes": (1,)}, [("in0_red", [("in0", N)])]),
 }
 
 
