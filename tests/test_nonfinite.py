@@ -157,6 +157,23 @@ def _cases() -> list[Case]:
         Case("split", {"x": flat_specials((2, 4), 33)}, lambda x: list(torch.split(x, 2, 1)),
              attrs={"sections": 2, "axis": 1}),
         Case("flatten", {"x": flat_specials((2, 2, 3), 34)}, lambda x: x.flatten(1)),
+        unary("exp", torch.exp),
+        unary("log", torch.log),
+        unary("sqrt", torch.sqrt),
+        unary("rsqrt", torch.rsqrt),
+        unary("erf", torch.erf),
+        unary("neg", torch.neg),
+        unary("abs", torch.abs),
+        unary("hardsigmoid", F.hardsigmoid),
+        unary("hardswish", F.hardswish),
+        unary("gelu_tanh", lambda x: F.gelu(x, approximate="tanh")),
+        Case("pow", {"x": flat_specials((3, 4), 35)}, lambda x: torch.pow(x, 3.0), attrs={"exponent": 3.0}),
+        Case("clamp", {"x": flat_specials((3, 4), 36)}, lambda x: torch.clamp(x, -1.0, 1.5),
+             attrs={"min": -1.0, "max": 1.5}),
+        Case("cast", {"x": flat_specials((3, 4), 37)}, lambda x: x.to(torch.float16), attrs={"dtype": "float16"}),
+        Case("expand", {"x": flat_specials((3, 1), 38)}, lambda x: x.expand(2, 3, 4), attrs={"shape": (2, 3, 4)}),
+        Case("sum", {"x": values((3, 5), 39, [((0, 1), NAN), ((1, 2), INF), ((2, 3), -INF)])},
+             lambda x: torch.sum(x, 1), attrs={"axes": 1}),
     ]
 
 

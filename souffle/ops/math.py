@@ -139,7 +139,7 @@ def _hardsigmoid_onnx(e, inputs, outputs, attrs):
 
 @register_op("hardswish", infer=_float_same, n_inputs=1)
 def hardswish(inputs):
-    """x * clamp(x + 3, 0, 6) / 6, as torch.nn.Hardswish."""
+    """x * clamp(x + 3, 0, 6) / 6, as torch.nn.Hardswish (so hardswish(-inf) is NaN, as in torch)."""
     x = inputs[0]
     return _elementwise(x, lambda v: v * _clamped(v + _const(3.0, x), 0.0, 6.0) / _const(6.0, x), "hardswish")
 
