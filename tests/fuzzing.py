@@ -391,6 +391,56 @@ def _mean(p: Proposal, x):
     p.op("mean", [x.name], axes=axes, keepdims=p.coin())
 
 
+def _sum(p: Proposal, x):
+    """Over all axes, or one, kept or not."""
+    axes = None if p.coin(0.3) else _axis(p, len(x.shape))
+    p.op("sum", [x.name], axes=axes, keepdims=p.coin())
+
+
+def _bounded(kind: str):
+    """kind(tanh(x)): exp and powers of an operand in [-1, 1] stay far from float32's overflow,
+    which the float64 reference would not share."""
+
+    def make(p: Proposal, x):
+        (bounded,) = p.op("tanh", [x.name])
+        attrs = {"exponent": _pick(p.rng, (2.0, 3.0))} if kind == "pow" else {}
+        p.op(kind, [bounded], **attrs)
+
+    make.__doc__ = f"{kind}(tanh(x))."
+    return make
+
+
+def _positive(kind: str):
+    """kind(|x| + y) with y in [0.5, 2]: logarithms and roots of positive numbers only."""
+
+    def make(p: Proposal, x):
+        (magnitude,) = p.op("abs", [x.name])
+        (shifted,) = p.op("add", [magnitude, p.source(_broadcast_partner(p.rng, x.shape), draw="positive")])
+        p.op(kind, [shifted])
+
+    make.__doc__ = f"{kind}(|x| + y), y positive."
+    return make
+
+
+def _clamp(p: Proposal, x):
+    low, high = _pick(p.rng, (-1.5, -0.5, None)), _pick(p.rng, (0.5, 2.0))
+    p.op("clamp", [x.name], min=low, max=high)
+
+
+def _cast(p: Proposal, x):
+    """To float32, the dtype every float the generator makes has: the fuzzer compares in float64,
+    so a cast to float16 would differ by its rounding, not by a defect."""
+    p.op("cast", [x.name], dtype="float32")
+
+
+def _expand(p: Proposal, x):
+    """Size-1 axes stretched, and a new leading axis while the rank allows one."""
+    shape = [p.dim() if d == 1 else d for d in x.shape]
+    if len(shape) < 4 and p.coin():
+        shape.insert(0, p.dim())
+    p.op("expand", [x.name], shape=shape)
+
+
 def _embedding(p: Proposal, x):
     """Rows of a weight table, or of x itself when it is 2-D, picked by int32 or int64 ids."""
     if len(x.shape) == 2 and p.coin():
@@ -486,11 +536,16 @@ MAKERS: dict[str, Callable[[Proposal, object], None]] = {
     "mean": _mean, "embedding": _embedding,
     "reshape": _reshape, "transpose": _transpose, "concat": _concat, "slice": _slice, "split": _split,
     "flatten": _flatten,
+    **{kind: _unary(kind) for kind in ("neg", "abs", "erf", "hardsigmoid", "hardswish", "gelu_tanh")},
+    **{kind: _bounded(kind) for kind in ("exp", "pow")},
+    **{kind: _positive(kind) for kind in ("log", "sqrt", "rsqrt")},
+    "clamp": _clamp, "cast": _cast, "expand": _expand, "sum": _sum,
 }
 # The ranks of the tensor a maker reads, where it needs some: the generator picks its operand
 # among the tensors of those ranks.
 RANKS = {
     "dense": (1, 2, 3, 4), "layer_norm": (1, 2, 3, 4), "softmax": (1, 2, 3, 4), "mean": (1, 2, 3, 4),
+    "sum": (1, 2, 3, 4), "expand": (1, 2, 3, 4),
     "concat": (1, 2, 3, 4), "slice": (1, 2, 3, 4), "split": (1, 2, 3, 4), "flatten": (1, 2, 3, 4),
     "matmul": (2, 3, 4), "batch_norm": (2, 3, 4), "batch_matmul": (3,),
     "conv2d": (4,), "max_pool2d": (4,), "avg_pool2d": (4,), "global_avg_pool2d": (4,),
@@ -660,6 +715,14 @@ REFERENCE: dict[str, Callable] = {
     "slice": _reference_slice,
     "split": _reference_split,
     "flatten": lambda x, start_dim, end_dim: torch.flatten(x, start_dim, end_dim),
+    "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "erf": torch.erf,
+    "neg": torch.neg, "abs": torch.abs, "hardsigmoid": F.hardsigmoid, "hardswish": F.hardswish,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "pow": lambda x, exponent: torch.pow(x, exponent),
+    "clamp": lambda x, min, max: torch.clamp(x, min, max),  # noqa: A006  (the op's attribute names)
+    "cast": lambda x, dtype: x.clone(),
+    "expand": lambda x, shape: x.expand(*_ints(shape)),
+    "sum": lambda x, axes, keepdims: x.sum(_all_axes(axes, x.dim()), keepdim=keepdims),
 }
 
 
