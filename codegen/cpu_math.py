@@ -11,7 +11,9 @@ GEMMs around them. These lowerings are polynomials, so a vectorized loop stays v
 - ``erf``: Eigen's rational approximation x P(x^2) / Q(x^2) on [-4, 4] (erf is +-1 to
   float32 precision beyond); within 4e-7 absolute.
 
-tanh and sigmoid are legalized by TVM through ``exp``, so they benefit too.
+- ``tanh``: through one ``exp`` of -2|x| (TVM's own rule takes two and copies its argument).
+
+sigmoid is legalized by TVM through ``exp``, so it benefits too.
 Only float32 is rewritten; other dtypes keep TVM's lowering.
 
 Both clamp their argument so that NaN passes through (TVM's min and max would make it a
@@ -22,6 +24,7 @@ built on them; the infinities clamp to the bounds, whose results are exp's 0 and
 
 from __future__ import annotations
 
+import tvm
 from tvm import tirx
 
 _LOG2E = 1.44269504088896341
@@ -86,6 +89,53 @@ def fast_erf(x):
     return x * _horner(x2, _ERF_P) / _horner(x2, _ERF_Q)
 
 
+def fast_tanh(x):
+    """tanh(x) as copysign(2 / (1 + e) - 1, x) with e = exp(-2|x|): one exp that cannot overflow
+    (TVM's rule takes two), and x used twice (TVM's rule copies it into three places, two of them
+    exps). NaN stays NaN (e is NaN); +-inf give e = 0 and +-1; within 2e-7 absolute."""
+    dtype = str(x.ty.dtype)
+    int_dtype = dtype.replace("float32", "int32")
+    one, two = tirx.const(1.0, dtype), tirx.const(2.0, dtype)
+    e = _bound_once(fast_exp)(tirx.abs(x) * tirx.const(-2.0, dtype))
+    magnitude = tirx.reinterpret(int_dtype, two / (one + e) - one)
+    sign = tirx.bitwise_and(tirx.reinterpret(int_dtype, x), tirx.const(-(2**31), "int32"))
+    return tirx.reinterpret(dtype, tirx.bitwise_or(magnitude, sign))  # copysign (TVM's LLVM has none)
+
+
+EXPANDED_CALLS = frozenset({"tirx.exp", "tirx.erf", "tirx.tanh", "tirx.sigmoid"})
+MAX_NESTED_EXPANDED_CALLS = 2
+
+
+def nested_expanded_calls(expr) -> int:
+    """How many exp/erf/tanh/sigmoid calls nest along the deepest path of ``expr``.
+
+    Each lowers to arithmetic that uses its argument tens of times, bound once by a let; but
+    TVM's LLVM code generator simplifies every let's value with the lets inside it inlined (its
+    analyzer inlines side-effect-free lets), so the work grows by that factor per nesting level:
+    three nested tanh took minutes to compile and four did not finish in ten. Fusion (``vertical``
+    and the CPU schedule's inlining) stops before a fused expression nests more than
+    ``MAX_NESTED_EXPANDED_CALLS`` of them; the intermediate is stored instead.
+    """
+    depth: dict = {}
+
+    def visit(node) -> int:
+        key = node.__hash__()
+        if key in depth:
+            return depth[key]
+        children = [getattr(node, name, None) for name in ("a", "b", "value", "body", "condition", "true_value",
+                                                          "false_value", "base", "stride")]
+        for name in ("args", "indices", "source"):
+            listed = getattr(node, name, None)
+            if isinstance(listed, (list, tuple, tvm.ir.Array)):
+                children.extend(listed)
+        below = max((visit(c) for c in children if isinstance(c, tvm.ir.Expr)), default=0)
+        own = isinstance(node, tvm.ir.Call) and isinstance(node.op, tvm.ir.Op) and node.op.name in EXPANDED_CALLS
+        depth[key] = below + own
+        return depth[key]
+
+    return visit(expr)
+
+
 def _float32_only(rewrite):
     def lower(call):
         if str(call.ty.dtype).split("x")[0] != "float32":
@@ -99,7 +149,7 @@ _registered = False
 
 
 def register_llvm_math():
-    """Make the LLVM target lower float32 ``exp``/``erf`` with the polynomials above
+    """Make the LLVM target lower float32 ``exp``/``erf``/``tanh`` with the polynomials above
     (once per process: TVM's op attribute registry is global)."""
     global _registered
     if _registered:
@@ -107,3 +157,4 @@ def register_llvm_math():
     _registered = True
     tirx.register_intrin_lowering("tirx.exp", target="llvm", f=_float32_only(_bound_once(fast_exp)), level=_LOWERING_LEVEL)
     tirx.register_intrin_lowering("tirx.erf", target="llvm", f=_float32_only(_bound_once(fast_erf)), level=_LOWERING_LEVEL)
+    tirx.register_intrin_lowering("tirx.tanh", target="llvm", f=_float32_only(_bound_once(fast_tanh)), level=_LOWERING_LEVEL)

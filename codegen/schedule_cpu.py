@@ -39,6 +39,7 @@ from tvm.ir.expr import TensorLoad  # what a BufferLoad is in TVM 0.27
 from tvm_ffi import structural_equal
 
 from analysis.device import DeviceModel
+from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, nested_expanded_calls
 
 DEFAULT_L2_BYTES = 512 << 10  # where the device model could not read the L2's size
 MAX_ACCUMULATORS = 12  # vector registers for a register tile (of 16; the rest hold loads)
@@ -213,6 +214,10 @@ def _worth_inlining(sch: s_tir.Schedule, block, consumers) -> bool:
     transcendental = any(name != "prim.if_then_else" for name in calls)
     reads = 0
     for consumer in consumers:
+        consumer_value = _stored_value(sch, consumer)
+        if consumer_value is not None and (nested_expanded_calls(value) + nested_expanded_calls(consumer_value)
+                                           > MAX_NESTED_EXPANDED_CALLS):
+            return False  # the code generator's time grows by tens per nesting level
         reads += _read_count(sch, consumer, buffer)
         if not _is_reduction(sch, consumer):
             continue

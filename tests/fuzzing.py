@@ -18,11 +18,13 @@ one more failure. ``minimize`` shrinks a failing case to a small one that fails 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing
 import os
 import re
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -330,6 +332,8 @@ def _conv2d(p: Proposal, x):
     divisors = [d for d in range(1, channels + 1) if channels % d == 0]
     groups = int(_pick(p.rng, (1, 1, channels, _pick(p.rng, divisors))))
     out_channels = p.dim() if groups == 1 else groups * int(_pick(p.rng, (1, 2, 3)))
+    if groups == 1 and p.coin():
+        out_channels = 8 * int(_pick(p.rng, (1, 2)))  # whole blocks of 8 or 16 rows, as weight packing needs
     kernel = [int(_pick(p.rng, (1, 2, 3))) for _ in range(2)]
     fan_in = channels // groups * kernel[0] * kernel[1]
     inputs = [x.name, p.source((out_channels, channels // groups, *kernel), scale=1 / math.sqrt(fan_in))]
@@ -942,13 +946,18 @@ class JobError:
     traceback: str
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 READY = "ready"  # what a worker sends once it has imported everything: a task's time starts then
 
 
-def _serve(job: Callable, connection, log_path: str) -> None:
+def _serve(job: Callable, connection, log_path: str, parent: int) -> None:
     """A worker's loop: run ``job`` on each task received and send back its result. Its stderr
     goes to ``log_path`` (emptied per task), so the parent can read a crash's last words."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if sys.platform.startswith("linux"):  # killed with the parent, not left mid-compile for minutes
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died while this worker was starting
+        os._exit(1)
     torch.set_num_threads(1)  # the reference is small; the cores are for the workers
     os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     connection.send(READY)
@@ -985,7 +994,7 @@ class WorkerPool:
     def _start(self, slot: int) -> _Worker:
         ours, theirs = self._context.Pipe()
         log = Path(self._logs.name) / f"worker{slot}.stderr"
-        process = self._context.Process(target=_serve, args=(self.job, theirs, str(log)), daemon=True)
+        process = self._context.Process(target=_serve, args=(self.job, theirs, str(log), os.getpid()), daemon=True)
         process.start()
         theirs.close()
         return _Worker(process, ours, log)

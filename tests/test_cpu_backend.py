@@ -157,12 +157,15 @@ def test_erf_tanh_sigmoid_are_accurate():
     np.testing.assert_allclose(erf, [math.erf(v) for v in x.astype(np.float64)], rtol=0, atol=5e-7)
     tanh, _ = _run_elementwise(te.tanh, x)
     np.testing.assert_allclose(tanh, np.tanh(x.astype(np.float64)), rtol=0, atol=2e-7)
+    special, _ = _run_elementwise(te.tanh, np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 8], "float32"))
+    np.testing.assert_array_equal(special[:5], [np.nan, 1, -1, 0, 0])
+    np.testing.assert_allclose(special[5:], np.tanh([1e-30, -1e-30, 8]), rtol=0, atol=2e-7)
     sigmoid, _ = _run_elementwise(te.sigmoid, x)
     np.testing.assert_allclose(sigmoid, 1 / (1 + np.exp(-x.astype(np.float64))), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", ["exp", "erf"])
-def test_exp_and_erf_hold_their_argument_once(name):
+@pytest.mark.parametrize("name", ["exp", "erf", "tanh"])
+def test_exp_erf_and_tanh_hold_their_argument_once(name):
     """The lowering binds its argument to a variable: copied into each of its uses (about 25 in
     exp), the argument would multiply the code of nested calls by that at every level (three
     chained tanh, each through two exps, took minutes to compile)."""
