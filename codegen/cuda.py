@@ -28,7 +28,10 @@ from codegen.staged import Loop, StagedProgram, loops_in, stages_in
 from codegen.stitch import seq
 from codegen.tiled import on_chip_loads, parameters_used, slot_views, tiled_stage
 from souffle.errors import TargetError
+from souffle.passes import Outcome
 from souffle.runtime.cuda import KernelResources, compile_cubin
+from souffle.runtime.emulated import build as emulated_build
+from souffle.runtime.emulated import kernel_signature
 
 KERNEL_NAME = "main_kernel"
 GRID_PARAM = "grid_size"
@@ -197,18 +200,6 @@ def kernel_count(source: str) -> int:
     return len(re.findall(r"__global__[^;{]*\{", source))
 
 
-def kernel_signature(source: str, kernel: str = KERNEL_NAME) -> list[tuple[str, str]]:
-    """(C type, name) of each parameter of ``kernel``'s definition, in order."""
-    match = re.search(rf"__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s+)?{kernel}\s*\(([^)]*)\)\s*{{", source)
-    if match is None:
-        raise TargetError(f"no definition of {kernel} in the generated CUDA source")
-    params = []
-    for text in match.group(1).split(","):
-        words = text.replace("__restrict__", " ").replace("*", " * ").split()
-        params.append((" ".join(words[:-1]), words[-1]))
-    return params
-
-
 def argument_order(source: str, staged: StagedProgram, kernel: str = KERNEL_NAME) -> list[str]:
     """The kernel's parameters as our buffer names, loop counters and ``grid_size``, in the
     order TVM chose."""
@@ -270,6 +261,15 @@ def cuda_compile(source: CudaSource, arch: str) -> CudaBinary:
     """nvcc's cubin of ``source`` for ``arch``, and each kernel's registers and shared memory."""
     cubin, resources = compile_cubin(source.text, arch, tuple(source.plan.kernel_names))
     return CudaBinary(source, cubin, resources)
+
+
+def build_emulated(kernels: CudaKernels) -> Outcome:
+    """The kernels' CUDA source built to run on the CPU (``souffle.runtime.emulated``): built
+    here so that a source the host compiler refuses fails at compile time."""
+    plan = kernels.plan
+    dynamic_shared = max((launch.dynamic_shared for launch in plan.kernel_launches()), default=0)
+    library = emulated_build(kernels.binary.source.text, tuple(plan.kernel_names), dynamic_shared)
+    return Outcome(kernels, [f"emulated build {library.name}"])
 
 
 def check_co_residency(binary: CudaBinary, device: DeviceModel) -> CudaKernels:

@@ -11,6 +11,9 @@ times every pass, collects what each did, and dumps or prints the IR after any o
   (barriers only where data crosses blocks, weights kept on chip across loops).
 - ``llvm-persistent``: the persistent kernel's very stages, tiles, barriers and scratch layout
   run on the CPU, block after block, to check that program anywhere.
+- ``cuda-emulated``: the ``cuda`` pipeline, then the very CUDA source nvcc gets built with the
+  host C++ compiler to run on the CPU, each GPU thread a fiber (``souffle.runtime.emulated``):
+  what a thread binding, a warp shuffle or a barrier does is checked without a GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from functools import partial
 from codegen.arena import plan_arena
 from codegen.barriers import place_barriers
 from codegen.cpu_transforms import hoist_scan_projections, pack_weights
-from codegen.cuda import CudaSource, check_co_residency, cuda_compile, cuda_source, kernel_plan
+from codegen.cuda import CudaSource, build_emulated, check_co_residency, cuda_compile, cuda_source, kernel_plan
 from codegen.epilogues import fuse_epilogues
 from codegen.horizontal import horizontal
 from codegen.llvm import CpuModule, build, persistent_cpu_function
@@ -100,4 +103,9 @@ LLVM_PERSISTENT = Pipeline("llvm-persistent", GRAPH, (
     Pass("build", lambda function, _: CpuModule(function.staged, build(function.func), function.grid), LLVM_IR),
 ), "h200", OPT_LEVELS, DEFAULT_OPT_LEVEL, THREADS)
 
-PIPELINES = {pipeline.target: pipeline for pipeline in (LLVM, CUDA, LLVM_PERSISTENT)}
+CUDA_EMULATED = Pipeline("cuda-emulated", GRAPH, (
+    *CUDA.passes,
+    Pass("emulated_build", lambda kernels, _: build_emulated(kernels), KERNELS),
+), "h200", OPT_LEVELS, DEFAULT_OPT_LEVEL, THREADS)
+
+PIPELINES = {pipeline.target: pipeline for pipeline in (LLVM, CUDA, LLVM_PERSISTENT, CUDA_EMULATED)}

@@ -19,8 +19,9 @@ def _compile(args) -> int:
 
     if args.repeat < 1:
         raise SouffleError(f"--repeat is the number of timed runs: it must be at least 1, got {args.repeat}")
+    emulated = args.target == "cuda-emulated"
     if args.emit_source:
-        if args.target != "cuda":
+        if args.target not in ("cuda", "cuda-emulated"):
             raise SouffleError(f"--emit-source writes CUDA source: it needs --target cuda, not {args.target!r}")
         _check_writable_file(args.emit_source, "--emit-source")
     onnx_file = args.model.endswith(".onnx")
@@ -30,6 +31,11 @@ def _compile(args) -> int:
         graph = models.build(args.model, config=args.config, seed=args.seed)  # refuses a seed numpy does not take
     compiled = souffle.compile(graph, target=args.target, device=args.device, threads=args.threads,
                                opt_level=args.opt_level, dump_ir=args.dump_ir, print_after=args.print_after)
+    if (args.thread_order, args.order_seed, args.grid) != ("ascending", 0, None) and not emulated:
+        raise SouffleError("--thread-order, --order-seed and --grid choose how cuda-emulated runs the kernel: they need "
+                           f"--target cuda-emulated, not {args.target!r}")
+    if emulated:
+        compiled.schedule(args.thread_order, args.grid, args.order_seed)
     if args.emit_source:
         try:
             Path(args.emit_source).write_text(compiled.source)
@@ -40,7 +46,7 @@ def _compile(args) -> int:
         return 0
     inputs = _random_inputs(graph, args.seed) if onnx_file else models.make_inputs(args.model, config=args.config, seed=args.seed)
     outputs = compiled.run(inputs)
-    times = compiled.benchmark(inputs, repeat=args.repeat)
+    times = [compiled._last_run] if emulated else compiled.benchmark(inputs, repeat=args.repeat)
     report = compiled.report()
     report.run_seconds = statistics.median(times)
     report.extra["run spread"] = f"min {min(times) * 1e3:.3f} ms, max {max(times) * 1e3:.3f} ms over {len(times)} runs"
@@ -138,15 +144,22 @@ def _parser() -> argparse.ArgumentParser:
                              help="static shape of an ONNX input whose shape is symbolic (repeatable)")
     compile_cmd.add_argument("--config", default="tiny", help="tiny (tests) or paper (the paper's sizes)")
     compile_cmd.add_argument("--target", default="llvm",
-                             help="llvm (CPU), cuda (one persistent kernel; running needs a GPU), or "
-                                  "llvm-persistent (the CUDA kernel's stages run on the CPU)")
+                             help="llvm (CPU), cuda (one persistent kernel; running needs a GPU), "
+                                  "llvm-persistent (the CUDA kernel's stages run on the CPU), or cuda-emulated (the "
+                                  "CUDA kernel's source run on the CPU, each GPU thread a fiber)")
     compile_cmd.add_argument("--device", default=None, help="GPU device model sizing the cuda grid: h200 (default) or a100")
     compile_cmd.add_argument("--threads", type=int, default=None, help="threads per block of the persistent kernel (256)")
     compile_cmd.add_argument("--opt-level", type=int, default=None, metavar="{0,1,2,3,4}",
                              help="the persistent kernel's optimizations (cuda, llvm-persistent): 0 one kernel per TE, "
                                   "1 +horizontal and LSTM wavefront, 2 +vertical, 3 +global sync, "
                                   "4 +post-optimizations (default)")
-    compile_cmd.add_argument("--emit-source", metavar="FILE", help="write the generated CUDA source to FILE (target cuda)")
+    compile_cmd.add_argument("--emit-source", metavar="FILE",
+                             help="write the generated CUDA source to FILE (targets cuda, cuda-emulated)")
+    compile_cmd.add_argument("--thread-order", default="ascending", choices=("ascending", "descending", "random"),
+                             help="cuda-emulated: the order threads run in between barriers (default ascending)")
+    compile_cmd.add_argument("--order-seed", type=int, default=0, help="cuda-emulated: the seed of the random order")
+    compile_cmd.add_argument("--grid", type=int, default=None,
+                             help="cuda-emulated: blocks in the grid (default: the fewest the kernels allow, at least 2)")
     compile_cmd.add_argument("--no-run", action="store_true", help="compile and print the report without running")
     compile_cmd.add_argument("--check", action="store_true", help="compare the outputs with the PyTorch reference")
     compile_cmd.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
@@ -166,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     analyze_cmd.add_argument("--json", action="store_true", help="print every TE and the summary as JSON")
     analyze_cmd.set_defaults(run=_analyze)
     passes_cmd = commands.add_parser("passes", help="print each target's pipeline: its passes in order")
-    passes_cmd.add_argument("--target", default=None, help="llvm, cuda or llvm-persistent (default: all three)")
+    passes_cmd.add_argument("--target", default=None, help="llvm, cuda, llvm-persistent or cuda-emulated (default: all)")
     passes_cmd.set_defaults(run=_passes)
     return parser
 

@@ -18,7 +18,7 @@ from analysis.device import DEVICES, get_device
 from codegen.pipelines import PIPELINES
 from souffle import models
 from souffle.compiled import CompiledModel, CpuModel, Report
-from souffle.cuda_model import CudaModel
+from souffle.cuda_model import CudaModel, EmulatedModel
 from souffle.errors import SouffleError, TargetError
 from souffle.graph import Graph
 from souffle.lower import TEProgram
@@ -26,7 +26,7 @@ from souffle.passes import CompileOptions, Pipeline, PipelineRun
 from souffle.runtime.check import CHECK, EXPECTED, INPUTS, Check
 
 TARGETS = tuple(PIPELINES)
-MODELS = {"llvm": CpuModel, "cuda": CudaModel, "llvm-persistent": CpuModel}  # what each target's result runs as
+MODELS = {"llvm": CpuModel, "cuda": CudaModel, "llvm-persistent": CpuModel, "cuda-emulated": EmulatedModel}  # what each target's result runs as
 
 __all__ = ["TARGETS", "CompiledModel", "Report", "compile", "export_check", "run_passes", "staged_program"]
 
@@ -43,6 +43,9 @@ def compile(graph: Graph, target: str = "llvm", device: str | None = None, threa
       (``"h200"`` by default, or ``"a100"``).
     - ``"llvm-persistent"``: the CUDA kernel's staged program (its stages, tiles, barriers
       and scratch layout) run on the CPU, block after block — to check that program anywhere.
+    - ``"cuda-emulated"``: the ``"cuda"`` kernels' very source built with the host C++ compiler
+      and run on the CPU, each GPU thread a fiber, checked for races and deadlocks
+      (``EmulatedModel.schedule`` picks the grid and the thread order).
 
     ``threads`` is the thread-block size of the persistent kernel (256 by default).
 

@@ -64,9 +64,13 @@ class CudaModel(CompiledModel):
             arenas={buffer.name: (dtype, staged.arena_sizes[dtype]) for dtype, buffer in staged.arena_buffers.items()},
             source=self.source, cubins=cubins)
 
+    def _device(self):
+        """The device the kernels run on: None for the first GPU."""
+        return None
+
     def _launcher(self) -> Launcher:
         if self._gpu is None:
-            self._gpu = Launcher(self.artifact(), model_weights=self.graph.weights)
+            self._gpu = Launcher(self.artifact(), model_weights=self.graph.weights, device=self._device())
             self.grid = self._gpu.grid
         return self._gpu
 
@@ -115,3 +119,49 @@ def _launches_json(launches) -> list[dict]:
                         "max_tiles": launch.max_tiles, "dynamic_shared": launch.dynamic_shared,
                         "min_grid": launch.min_grid})
     return out
+
+
+class EmulatedModel(CudaModel):
+    """``target="cuda-emulated"``: the same CUDA kernels, built with the host C++ compiler and run
+    on the CPU with every GPU thread a fiber (``souffle.runtime.emulated``). ``schedule`` picks the
+    grid (by default the smallest the kernels allow, at least two blocks) and the order the
+    threads run in between barriers; a data race, a deadlock or an access outside every buffer is
+    an ``EmulationError``."""
+
+    def __init__(self, graph, passes: PipelineRun):
+        super().__init__(graph, passes)
+        self.schedule()
+
+    def schedule(self, thread_order: str = "ascending", grid: int | None = None, seed: int = 0) -> EmulatedModel:
+        """Run the threads in ``thread_order`` (ascending, descending or random, seeded by
+        ``seed``) on ``grid`` blocks (at most each launch's tiles); returns the model."""
+        from souffle.runtime.emulated import DEFAULT_GRID, EmulatedDevice
+
+        if grid is None:
+            grid = max(DEFAULT_GRID, *(launch.min_grid for launch in self.kernel_plan.kernel_launches()))
+        self.emulator = EmulatedDevice(grid, thread_order, seed)
+        self._gpu = None
+        return self
+
+    def _device(self):
+        return self.emulator
+
+    def benchmark(self, inputs: dict, repeat: int = 1, number: int = 1, warmup: int = 0) -> list[float]:
+        """Seconds of emulated runs on the CPU (nothing like the GPU's time)."""
+        import time
+
+        arrays = self._shaped_inputs(inputs)
+        check_count(repeat, "repeat", 1)
+        launcher = self._launcher()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            launcher.run(arrays)
+            times.append(time.perf_counter() - start)
+        return times
+
+    def report(self) -> Report:
+        report = super().report()
+        report.extra["emulation"] = f"{self.emulator.name}, grid {self._launcher().grid}" if self._gpu else \
+            self.emulator.name
+        return report

@@ -170,17 +170,17 @@ class KernelArtifact:
 class Launcher:
     """The artifact loaded on a GPU: weights and scratch resident, each kernel's grid sized by
     the driver's occupancy API (every block co-resident, no more blocks than its widest stage
-    has tiles), kernels launched in the artifact's order, host loops run here."""
+    has tiles), kernels launched in the artifact's order, host loops run here. The device gives
+    the kernels: ``souffle.runtime.cuda.Device`` loads cubins, ``souffle.runtime.emulated``'s
+    device builds the source to run on the CPU."""
 
     def __init__(self, artifact: KernelArtifact, model_weights: dict | None = None, device=None):
         from souffle.runtime import cuda as rt
 
         self.artifact = artifact
         self.device = device or rt.Device()
-        cubin = artifact.cubins.get(self.device.arch)
-        if cubin is None:
-            cubin = rt.compile_cubin(artifact.source, self.device.arch, tuple(artifact.kernels))[0]
-        self.kernels = {name: rt.Kernel(self.device, cubin, name) for name in artifact.kernels}
+        dynamic_shared = max((launch["dynamic_shared"] for launch in _kernel_launches(artifact.launches)), default=0)
+        self.kernels = self.device.load_kernels(artifact.source, artifact.cubins, tuple(artifact.kernels), dynamic_shared)
         self.grids, self.per_sm = {}, {}
         for launch in _kernel_launches(artifact.launches):
             kernel = self.kernels[launch["kernel"]]

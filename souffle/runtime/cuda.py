@@ -386,6 +386,15 @@ class Device:
         buffer.upload(array)
         return buffer
 
+    def load_kernels(self, source: str, cubins: dict[str, bytes], names: tuple[str, ...],
+                     dynamic_shared: int = 0) -> dict[str, Kernel]:
+        """The ``__global__`` functions ``names``, from the cubin for this device's arch in
+        ``cubins`` or else compiled from ``source``."""
+        cubin = cubins.get(self.arch)
+        if cubin is None:
+            cubin = compile_cubin(source, self.arch, names)[0]
+        return {name: Kernel(self, cubin, name) for name in names}
+
     def synchronize(self) -> None:
         _check(self._current().cuCtxSynchronize(), "cuCtxSynchronize")
 
