@@ -7,8 +7,12 @@ same-numbered tile of the writer wrote runs in the same block after it (tile ``t
 ``t mod grid`` in every stage), so it needs none. Loop bodies are analysed twice, the second time
 as the next iteration, so loop-carried dependences get their barrier too.
 
-Blocks, not threads: inside one tile, nothing here orders what different threads of the block
-write and read (the thread-level correctness issue).
+Where the data stays in the block but may cross its threads (a tile's threads do not write and
+read the same elements: a reduction's result is written by one lane and read by all, an
+epilogue's tile is spread over the block in another order), a ``__syncthreads`` goes before the
+stage instead (``Stage.block_barrier``): within a block it orders global memory as well as
+shared. Every dependence between two different stages (or two iterations of one) since the
+last barrier gets one; only a grid barrier or a new kernel makes it unnecessary.
 """
 
 from __future__ import annotations
@@ -125,15 +129,35 @@ def _conflict(stage: Stage, writes: list[_Access], reads: list[_Access], scope: 
     return None
 
 
+def _thread_conflict(stage: Stage, writes: list[_Access], reads: list[_Access], scope: _Scope) -> str | None:
+    """Why ``stage`` needs a ``__syncthreads`` after these accesses of its block (since the last
+    barrier of any kind); None if it touches nothing they touched. A stage's own accesses in the
+    same iteration are ordered by its thread mapping; in a later iteration they are not."""
+    def other(access: _Access) -> bool:
+        return access.stage is not stage or bool(access.stale)
+
+    for ref in stage.reads:
+        for w in writes:
+            if other(w) and _same_memory(w, ref, scope) != "disjoint":
+                return f"reads {ref.spec.name} written by {w.stage.name} in other threads of the block"
+    for access, what in [(r, "reads") for r in reads] + [(w, "writes") for w in writes]:
+        if other(access) and _same_memory(access, stage.write, scope) != "disjoint":
+            return f"overwrites {stage.write.spec.name} that {access.stage.name} {what} in other threads of the block"
+    return None
+
+
 class _BarrierPass:
     def __init__(self):
-        self.writes: list[_Access] = []
+        self.writes: list[_Access] = []  # since the last grid barrier
         self.reads: list[_Access] = []
+        self.block_writes: list[_Access] = []  # since the last barrier of either kind
+        self.block_reads: list[_Access] = []
         self.scope = _Scope()
         self.changed = False
 
     def clear(self):
         self.writes, self.reads = [], []
+        self.block_writes, self.block_reads = [], []
 
     def run(self, items: list):
         for item in items:
@@ -144,9 +168,18 @@ class _BarrierPass:
                 item.barrier = _conflict(item, self.writes, self.reads, self.scope)
                 self.changed |= item.barrier is not None
             if item.barrier is not None:
+                item.block_barrier = None
                 self.clear()
-            self.reads += [_Access(item, ref, p) for ref, p in zip(item.reads, item.placeholders)]
+            elif item.block_barrier is None:
+                item.block_barrier = _thread_conflict(item, self.block_writes, self.block_reads, self.scope)
+                self.changed |= item.block_barrier is not None
+            if item.block_barrier is not None:
+                self.block_writes, self.block_reads = [], []
+            reads = [_Access(item, ref, p) for ref, p in zip(item.reads, item.placeholders)]
+            self.reads += reads
+            self.block_reads += reads
             self.writes.append(_Access(item, item.write, None))
+            self.block_writes.append(_Access(item, item.write, None))
 
     def loop(self, loop: Loop):
         """One barrier before the loop when its body conflicts with what ran before it; then
@@ -160,8 +193,9 @@ class _BarrierPass:
         self.run(loop.items)
         while True:
             self.changed = False
-            self.writes = [_Access(a.stage, a.ref, a.placeholder, a.stale | {loop.var}) for a in self.writes]
-            self.reads = [_Access(a.stage, a.ref, a.placeholder, a.stale | {loop.var}) for a in self.reads]
+            self.writes, self.reads, self.block_writes, self.block_reads = (
+                [_Access(a.stage, a.ref, a.placeholder, a.stale | {loop.var}) for a in accesses]
+                for accesses in (self.writes, self.reads, self.block_writes, self.block_reads))
             self.run(loop.items)
             if not self.changed:
                 break
@@ -169,11 +203,14 @@ class _BarrierPass:
 
 
 def place_barriers(staged: StagedProgram) -> StagedProgram:
-    """``staged`` with a grid barrier before exactly the stages (and loops) that need one, each
-    with its reason; whatever synchronized them before is replaced."""
+    """``staged`` with a grid barrier before exactly the stages (and loops) that need one, and a
+    ``__syncthreads`` before the other stages that depend on what ran since the last barrier,
+    each with its reason; whatever synchronized them before is replaced."""
     items = copy_items(staged.items)
     for item in [*stages_in(items), *loops_in(items)]:
         item.barrier = None
+    for stage in stages_in(items):
+        stage.block_barrier = None
     barriers = _BarrierPass()
     barriers.scope.trips = {loop.var: loop.trips for loop in loops_in(items)}
     barriers.run(items)

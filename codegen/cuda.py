@@ -75,6 +75,8 @@ def _statements(items: list, block: tirx.Var, grid: tirx.Var, threads: int, memo
             continue
         if item.barrier is not None:
             stmts.append(_grid_sync())
+        elif item.block_barrier is not None:
+            stmts.append(_block_sync())
         stmts.append(tiled_stage(item, block, grid, lambda load: (memory[load.dtype], load.offset)))
     return stmts
 

@@ -68,6 +68,9 @@ class Stage:
     write: BufferRef
     barrier: str | None = None  # why a grid barrier precedes this stage; None: no barrier
     launch: str | None = None  # why a new kernel starts at this stage; None: same kernel
+    # why a __syncthreads precedes this stage (it reads or overwrites what other threads of the
+    # block touched since the last barrier); None: none needed, or a grid barrier is there
+    block_barrier: str | None = None
     epilogue: str | None = None  # 'register' or 'shared': ``tensor`` is a reduction's consumer fused into it
     on_chip: dict[int, OnChip] = field(default_factory=dict)  # read index -> the weight read from shared memory
 
@@ -192,6 +195,8 @@ class StagedProgram:
                     lines.append(f"{pad}== new kernel: {item.launch}")
                 if item.barrier:
                     lines.append(f"{pad}-- grid barrier: {item.barrier}")
+                elif getattr(item, "block_barrier", None):
+                    lines.append(f"{pad}-- __syncthreads: {item.block_barrier}")
                 if isinstance(item, Loop):
                     lines.extend(f"{pad}on chip: {load.source.spec.name} for {load.reader}, {load.slots} x "
                                  f"{load.per_tile} elements per block" for load in item.loads)

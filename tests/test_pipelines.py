@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import souffle
-from codegen.pipelines import CUDA, LLVM, LLVM_PERSISTENT, PIPELINES
+from codegen.pipelines import CUDA, CUDA_EMULATED, LLVM, LLVM_PERSISTENT, PIPELINES
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.errors import SouffleError
@@ -28,12 +28,13 @@ def _mlp():
 
 
 def test_every_target_has_one_declared_pipeline():
-    assert list(PIPELINES) == ["llvm", "cuda", "llvm-persistent"]
+    assert list(PIPELINES) == ["llvm", "cuda", "llvm-persistent", "cuda-emulated"]
     assert LLVM.names == ["hoist_scan_projections", "pack_weights", "lower", "stitch", "build"]
     persistent = ["wavefront", "horizontal", "lower", "vertical", "fuse_epilogues", "stage", "kernel_per_stage",
                   "global_sync", "place_barriers", "partition", "keep_weights_on_chip", "plan_arena"]
     assert CUDA.names == persistent + ["kernel_plan", "cuda_source", "nvcc", "co_residency"]
     assert LLVM_PERSISTENT.names == persistent + ["staged_function", "build"]
+    assert CUDA_EMULATED.names == CUDA.names + ["emulated_build"]
     levels = {p.name: p.from_level for p in CUDA.passes if p.from_level}
     assert levels == {"wavefront": 1, "horizontal": 1, "vertical": 2, "fuse_epilogues": 3, "global_sync": 3,
                       "partition": 3, "place_barriers": 4, "keep_weights_on_chip": 4}

@@ -106,7 +106,7 @@ std::string module_offset(uintptr_t pc) {
   return std::to_string(pc - reinterpret_cast<uintptr_t>(info.dli_fbase));
 }
 
-thread_local char tls_anchor;  // makes sure this module's thread-local block exists
+thread_local volatile char tls_anchor;  // written first: makes sure this module's thread-local block exists
 
 void fail(const char* format, ...) {
   if (!launch->error.empty()) return;
@@ -524,9 +524,10 @@ int souffle_emulate(void (*entry)(void**), void** args, const char* kernel, int 
   tls_anchor = 1;
   int found = 0;
   dl_iterate_phdr(find_tls, &found);
+  if (state.tls == nullptr && state.tls_bytes > 0) fail("kernel %s: the emulator cannot find its shared memory", kernel);
   state.shared_copies.assign(grid, std::vector<char>(state.tls_bytes, static_cast<char>(0xff)));
   state.shared_words.assign(grid, std::vector<Word>((state.tls_bytes + 3) / 4));
-  std::memset(state.tls, 0xff, state.tls_bytes);
+  if (state.tls != nullptr) std::memset(state.tls, 0xff, state.tls_bytes);
   state.block_epochs.assign(grid, 0);
   state.fibers.resize(static_cast<size_t>(grid) * state.threads);
   for (int block = 0; block < grid; ++block) {
