@@ -207,3 +207,20 @@ def test_o4_orders_the_threads_of_a_block_where_data_crosses_them():
     reasons = [stage.block_barrier for stage in staged.stages() if stage.block_barrier]
     assert any("T_softmax_maxelem" in why and "other threads of the block" in why for why in reasons), reasons
     assert "__syncthreads" in staged.table()
+
+
+def test_command_line_check_prints_order_and_grid(capsys):
+    from souffle.cli import main
+
+    assert main(["compile", "mmoe", "--target", "cuda-emulated", "--opt-level", "4", "--check",
+                 "--thread-order", "random", "--order-seed", "7", "--grid", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out
+    assert "cuda-emulated (2 blocks, random thread order, seed 7), grid 1" in out  # tiny MMoE's stages: one tile
+
+
+def test_emulation_options_need_the_emulated_target(capsys):
+    from souffle.cli import main
+
+    assert main(["compile", "mmoe", "--target", "llvm", "--thread-order", "descending"]) == 2
+    assert "need --target cuda-emulated" in capsys.readouterr().err

@@ -115,19 +115,20 @@ def build(source: str, kernels: tuple[str, ...], dynamic_shared: int = 0) -> Pat
         work = Path(work)
         (work / "kernel.cu").write_text(source)
         (work / "glue.cpp").write_text(_glue(source, kernels, dynamic_shared))
-        steps = [
-            [compiler, *_KERNEL_FLAGS, "-include", str(HEADER), "-I", str(EMULATOR / "include"), "-c", "kernel.cu",
-             "-o", "kernel.o"],
-            [compiler, *_RUNTIME_FLAGS, "-c", "glue.cpp", "-o", "glue.o"],
-            [compiler, *_RUNTIME_FLAGS, "-c", str(RUNTIME), "-o", "runtime.o"],
-            [compiler, "-shared", "-Wl,-z,defs", "kernel.o", "glue.o", "runtime.o", "-o", "kernel.so", "-ldl"],
-        ]
-        for step in steps:
-            result = subprocess.run(step, cwd=work, check=False, capture_output=True, text=True)
+        steps = {
+            "the kernel": [compiler, *_KERNEL_FLAGS, "-include", str(HEADER), "-I", str(EMULATOR / "include"), "-c",
+                           "kernel.cu", "-o", "kernel.o"],
+            "its entry points": [compiler, *_RUNTIME_FLAGS, "-c", "glue.cpp", "-o", "glue.o"],
+            "the emulator": [compiler, *_RUNTIME_FLAGS, "-c", str(RUNTIME), "-o", "runtime.o"],
+            "the link": [compiler, "-shared", "-Wl,-z,defs", "kernel.o", "glue.o", "runtime.o", "-o", "kernel.so",
+                         "-ldl"],
+        }
+        for what, command in steps.items():
+            result = subprocess.run(command, cwd=work, check=False, capture_output=True, text=True)
             if result.returncode != 0:
-                errors = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
-                shown = "\n".join(errors[:_ERROR_LINES])
-                raise TargetError(f"the emulated build of the CUDA source failed ({Path(step[-3]).name if step[1] != '-shared' else 'link'}):\n{shown}")
+                output = result.stderr.splitlines()
+                shown = "\n".join(([line for line in output if "error" in line] or output)[:_ERROR_LINES])
+                raise TargetError(f"the emulated build of the CUDA source failed in {what}:\n{shown}")
         library.parent.mkdir(parents=True, exist_ok=True)
         temporary = library.with_suffix(f".{os.getpid()}.tmp")
         shutil.copyfile(work / "kernel.so", temporary)
