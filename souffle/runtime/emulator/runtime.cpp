@@ -42,13 +42,16 @@ enum WarpOp { SHFL_IDX, SHFL_UP, SHFL_DOWN, SHFL_XOR, BALLOT, ALL, ANY, SYNCWARP
 const char* const WARP_OP_NAMES[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
                                      "__ballot_sync", "__all_sync", "__any_sync", "__syncwarp"};
 
-constexpr size_t STACK_BYTES = 256 * 1024;
-constexpr size_t GUARD_BYTES = 4096;
+// Persistent kernels may need hundreds of blocks (on-chip weight slices), so tens of thousands
+// of fibers: their stacks are one mapping, touched only as deep as a thread goes, each with a
+// canary at its bottom checked whenever the thread yields.
+constexpr size_t STACK_BYTES = 64 * 1024;
+constexpr uint64_t CANARY = 0x5eedf00dcafebabeull;
 constexpr int NOBODY = -1;
 
 struct Fiber {
   ucontext_t context;
-  char* stack = nullptr;  // mapping of GUARD_BYTES (no access) + STACK_BYTES
+  char* stack = nullptr;  // STACK_BYTES, the canary at the bottom
   int block = 0, thread = 0;  // thread: linear index in the block
   souffle_dim3 thread_idx{}, block_idx{};
   State state = RUNNABLE;
@@ -82,6 +85,7 @@ struct Launch {
   int grid = 0, threads = 0;
   souffle_dim3 block_dim{};
   std::vector<Fiber> fibers;
+  char* stacks = nullptr;  // every fiber's stack
   ucontext_t scheduler;
   Fiber* current = nullptr;
   std::vector<uint32_t> block_epochs;  // barriers each block has passed (its __syncthreads and grid barriers)
@@ -218,7 +222,7 @@ void on_access(void* address, size_t bytes, bool write, void* return_address) {
   uintptr_t pc = reinterpret_cast<uintptr_t>(return_address);
   const Fiber& fiber = *launch->current;
   uintptr_t stack = reinterpret_cast<uintptr_t>(fiber.stack);
-  if (at >= stack && at < stack + GUARD_BYTES + STACK_BYTES) return;  // the thread's registers and locals
+  if (at >= stack && at < stack + STACK_BYTES) return;  // the thread's registers and locals
   uintptr_t tls = reinterpret_cast<uintptr_t>(launch->tls);
   if (at >= tls && at < tls + launch->tls_bytes) {
     std::vector<Word>& words = launch->shared_words[fiber.block];
@@ -271,6 +275,12 @@ void enter(Fiber& fiber) {
   souffle_block_idx = fiber.block_idx;
   swapcontext(&launch->scheduler, &fiber.context);
   launch->current = nullptr;
+  uint64_t canary;
+  std::memcpy(&canary, fiber.stack, sizeof canary);
+  if (canary != CANARY) {
+    fail("kernel %s: %s overflowed its %zu KiB stack", launch->kernel.c_str(),
+         thread_name(fiber.block, fiber.thread).c_str(), STACK_BYTES / 1024);
+  }
 }
 
 // Releases every barrier all of whose threads wait at it; false when none could be.
@@ -530,32 +540,32 @@ int souffle_emulate(void (*entry)(void**), void** args, const char* kernel, int 
   if (state.tls != nullptr) std::memset(state.tls, 0xff, state.tls_bytes);
   state.block_epochs.assign(grid, 0);
   state.fibers.resize(static_cast<size_t>(grid) * state.threads);
-  for (int block = 0; block < grid; ++block) {
+  void* stacks = mmap(nullptr, state.fibers.size() * STACK_BYTES, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (stacks == MAP_FAILED) {
+    fail("kernel %s: cannot map the stacks of %zu threads", kernel, state.fibers.size());
+    state.fibers.clear();
+  } else {
+    state.stacks = static_cast<char*>(stacks);
+  }
+  for (int block = 0; block < grid && state.stacks != nullptr; ++block) {
     for (int t = 0; t < state.threads; ++t) {
       Fiber& fiber = state.fibers[block * state.threads + t];
       fiber.block = block;
       fiber.thread = t;
       fiber.thread_idx = {t % bx, t / bx % by, t / (bx * by)};
       fiber.block_idx = {static_cast<unsigned>(block), 0, 0};
-      void* mapping = mmap(nullptr, GUARD_BYTES + STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS |
-                           MAP_NORESERVE, -1, 0);
-      if (mapping == MAP_FAILED) {
-        fail("kernel %s: cannot map the stack of %s", kernel, thread_name(block, t).c_str());
-        break;
-      }
-      fiber.stack = static_cast<char*>(mapping);
-      mprotect(fiber.stack, GUARD_BYTES, PROT_NONE);
+      fiber.stack = state.stacks + (static_cast<size_t>(block) * state.threads + t) * STACK_BYTES;
+      std::memcpy(fiber.stack, &CANARY, sizeof CANARY);
       getcontext(&fiber.context);
-      fiber.context.uc_stack.ss_sp = fiber.stack + GUARD_BYTES;
+      fiber.context.uc_stack.ss_sp = fiber.stack;
       fiber.context.uc_stack.ss_size = STACK_BYTES;
       fiber.context.uc_link = nullptr;
       makecontext(&fiber.context, run_fiber, 0);
     }
   }
   if (state.error.empty()) schedule(order, seed);
-  for (Fiber& fiber : state.fibers) {
-    if (fiber.stack != nullptr) munmap(fiber.stack, GUARD_BYTES + STACK_BYTES);
-  }
+  if (state.stacks != nullptr) munmap(state.stacks, state.fibers.size() * STACK_BYTES);
   launch = nullptr;
   snprintf(error, error_bytes, "%s", state.error.c_str());
   snprintf(pcs, pcs_bytes, "%s", state.error_pcs.c_str());
