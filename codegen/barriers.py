@@ -11,8 +11,8 @@ Where the data stays in the block but may cross its threads (a tile's threads do
 read the same elements: a reduction's result is written by one lane and read by all, an
 epilogue's tile is spread over the block in another order), a ``__syncthreads`` goes before the
 stage instead (``Stage.block_barrier``): within a block it orders global memory as well as
-shared. Every dependence between two different stages (or two iterations of one) since the
-last barrier gets one; only a grid barrier or a new kernel makes it unnecessary.
+shared. Neither is needed where every element is read by the thread that wrote it: both stages
+compute each element in the thread at its place in the tile (``same_thread``, with isl).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import islpy as isl
 from tvm import te, tirx
 
 from analysis.dependence import IslWriter, NotAffine
-from codegen.staged import Loop, Stage, StagedProgram, copy_items, loops_in, stages_in, tiles_of
+from codegen.staged import Loop, Stage, StagedProgram, copy_items, flat_index, loops_in, stages_in, tiles_of
 from codegen.stitch import BufferRef
 
 
@@ -129,20 +129,64 @@ def _conflict(stage: Stage, writes: list[_Access], reads: list[_Access], scope: 
     return None
 
 
+def _own_thread(stage: Stage) -> bool:
+    """Whether each output element of ``stage`` is computed, from what it reads, by one thread:
+    the one at the element's place in its tile modulo the block (``codegen.schedule``'s
+    elementwise and thread_reduce templates, alone or with a register epilogue)."""
+    return stage.schedule.template in ("elementwise", "thread_reduce") and stage.epilogue in (None, "register")
+
+
+def _threads_of(tuple_name: str, shape, stage: Stage, thread_tuple: str) -> isl.Map:
+    """Element of a tensor of ``shape`` written by ``stage`` -> the thread of the block writing it."""
+    names = [f"a{k}" for k in range(len(shape))]
+    bounds = " and ".join(f"0 <= {n} < {int(e)}" for n, e in zip(names, shape)) or "true"
+    per_tile, threads = stage.schedule.per_tile, stage.schedule.threads
+    return isl.Map(f"{{ {tuple_name}[{', '.join(names)}] -> {thread_tuple}[h] : "
+                   f"h = (({flat_index(names, shape)}) mod {per_tile}) mod {threads} and {bounds} }}")
+
+
+def same_thread(reader: Stage, placeholder: te.Tensor, writer: Stage) -> bool:
+    """Every element ``reader``'s thread h reads of ``placeholder`` was written by ``writer``'s
+    thread h (of the same block: ``same_block``), so no thread reads another's result."""
+    if not (_own_thread(reader) and _own_thread(writer)):
+        return False
+    access, _ = reader.read_relation(placeholder)
+    reads = _threads_of(access.get_tuple_name(isl.dim_type.in_), reader.tensor.shape, reader, "R")
+    writes = _threads_of(access.get_tuple_name(isl.dim_type.out), placeholder.shape, writer, "W")
+    return reads.reverse().apply_range(access).apply_range(writes).is_subset(isl.Map("{ R[h] -> W[h] }"))
+
+
 def _thread_conflict(stage: Stage, writes: list[_Access], reads: list[_Access], scope: _Scope) -> str | None:
     """Why ``stage`` needs a ``__syncthreads`` after these accesses of its block (since the last
-    barrier of any kind); None if it touches nothing they touched. A stage's own accesses in the
-    same iteration are ordered by its thread mapping; in a later iteration they are not."""
+    barrier of any kind); None if every element it shares with them is its own thread's. A
+    stage's own accesses in the same iteration are ordered by its thread mapping; in a later
+    iteration they count as another stage's."""
     def other(access: _Access) -> bool:
         return access.stage is not stage or bool(access.stale)
 
-    for ref in stage.reads:
+    for k, ref in enumerate(stage.reads):
         for w in writes:
-            if other(w) and _same_memory(w, ref, scope) != "disjoint":
-                return f"reads {ref.spec.name} written by {w.stage.name} in other threads of the block"
-    for access, what in [(r, "reads") for r in reads] + [(w, "writes") for w in writes]:
-        if other(access) and _same_memory(access, stage.write, scope) != "disjoint":
-            return f"overwrites {stage.write.spec.name} that {access.stage.name} {what} in other threads of the block"
+            overlap = _same_memory(w, ref, scope)
+            if not other(w) or overlap == "disjoint":
+                continue
+            if overlap == "same" and same_thread(stage, stage.placeholders[k], w.stage):
+                continue
+            return f"reads {ref.spec.name} written by {w.stage.name} in other threads of the block"
+    for r in reads:
+        overlap = _same_memory(r, stage.write, scope)
+        if not other(r) or overlap == "disjoint":
+            continue
+        if overlap == "same" and same_thread(r.stage, r.placeholder, stage):
+            continue
+        return f"overwrites {stage.write.spec.name} that {r.stage.name} reads in other threads of the block"
+    for w in writes:
+        overlap = _same_memory(w, stage.write, scope)
+        if not other(w) or overlap == "disjoint":
+            continue
+        if overlap == "same" and _own_thread(w.stage) and _own_thread(stage) and \
+                (w.stage.schedule.per_tile, w.stage.schedule.threads) == (stage.schedule.per_tile, stage.schedule.threads):
+            continue
+        return f"overwrites {stage.write.spec.name} that {w.stage.name} writes in other threads of the block"
     return None
 
 

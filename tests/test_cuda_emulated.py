@@ -207,6 +207,10 @@ def test_o4_orders_the_threads_of_a_block_where_data_crosses_them():
     reasons = [stage.block_barrier for stage in staged.stages() if stage.block_barrier]
     assert any("T_softmax_maxelem" in why and "other threads of the block" in why for why in reasons), reasons
     assert "__syncthreads" in staged.table()
+    # Neither barrier where each thread reads only what it wrote itself: the tower's bias and
+    # activation read the matmul's results at their own index, in the threads that computed them.
+    activation = next(stage for stage in staged.stages() if stage.name.endswith("towers.{0,1}.2.input"))
+    assert activation.barrier is None and activation.block_barrier is None
 
 
 def test_command_line_check_prints_order_and_grid(capsys):
