@@ -135,6 +135,11 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     reduction = _product(_extent(sch, loop) for loop in reduce_loops)
     template, per_tile = tiling(outputs, reduction, threads)
     fused = _outer_loop(sch, spatial_loops, loops, block)
+    if epilogue_mode == "register" and outputs == 1:
+        # A single result's epilogue is bound to constant indexes, which nothing guards: placed
+        # in the unit loop before the split, it gets the split's guard like the reduction, or
+        # every warp would store it, seven of eight from lanes that reduced nothing.
+        sch.reverse_compute_at(blocks[1], fused)
     warps = threads // WARP
     if template == "elementwise":
         tile, _, warp, lane = sch.split(fused, [None, per_tile // threads, warps, WARP])
@@ -198,7 +203,8 @@ def _place_epilogue(sch: s_tir.Schedule, producer, epilogue, mode: str, tile, ho
     like an elementwise stage: TVM does not guard a thread loop of another extent than the
     block's, so one would skip elements or write past the tile."""
     if mode == "register":
-        sch.reverse_compute_at(epilogue, holder)
+        if not sch.get(sch.get_loops(epilogue)[-1]).same_as(sch.get(holder)):
+            sch.reverse_compute_at(epilogue, holder)
         sch.set_scope(producer, 0, "local")
         return tile
     if template != "warp_reduce":

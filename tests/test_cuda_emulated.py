@@ -228,3 +228,20 @@ def test_emulation_options_need_the_emulated_target(capsys):
 
     assert main(["compile", "mmoe", "--target", "llvm", "--thread-order", "descending"]) == 2
     assert "need --target cuda-emulated" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keepdims", [True, False])
+def test_one_result_of_a_warp_reduction_is_stored_by_one_warp(keepdims):
+    """Found by the emulator (fuzz seed 1003): the mean of a whole tensor, one result reduced by
+    warp 0, was divided and stored by lane 0 of every warp, seven of eight storing the zero they
+    reduced: its epilogue, bound to constant indexes, had no guard."""
+    from souffle.graph import GraphBuilder
+
+    builder = GraphBuilder("mean_of_all")
+    x = builder.input("x", (5, 16))
+    graph = builder.build(builder.op("mean", x, keepdims=keepdims))
+    inputs = {"x": np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)}
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
+    for order in ("ascending", "descending"):
+        (mean,) = model.schedule(order).run(inputs)
+        np.testing.assert_allclose(mean, inputs["x"].mean(keepdims=keepdims), rtol=1e-5)
