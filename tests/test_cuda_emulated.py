@@ -245,3 +245,27 @@ def test_one_result_of_a_warp_reduction_is_stored_by_one_warp(keepdims):
     for order in ("ascending", "descending"):
         (mean,) = model.schedule(order).run(inputs)
         np.testing.assert_allclose(mean, inputs["x"].mean(keepdims=keepdims), rtol=1e-5)
+
+
+def test_warps_past_the_last_result_write_nothing_back():
+    """Found by the emulator (fuzz seed 1035): a layer norm of 4 rows, its statistics reduced by
+    a tile of 8 warps: TVM's cross-thread lowering wrote every warp's result back unguarded, so
+    warps 4-7 stored past the end of the 4 results in shared memory."""
+    from souffle.graph import GraphBuilder
+
+    rng = np.random.default_rng(0)
+    builder = GraphBuilder("layer_norm_4_rows")
+    x = builder.input("x", (4, 64))
+    weight = builder.param("weight", rng.standard_normal(64).astype(np.float32))
+    bias = builder.param("bias", rng.standard_normal(64).astype(np.float32))
+    graph = builder.build(builder.op("layer_norm", builder.op("gelu", x), weight, bias, eps=1e-3))
+    inputs = {"x": rng.standard_normal((4, 64)).astype(np.float32)}
+    import torch
+
+    gelu = torch.nn.functional.gelu(torch.from_numpy(inputs["x"]))
+    expected = torch.nn.functional.layer_norm(gelu, (64,), torch.tensor(graph.weights["weight"]),
+                                              torch.tensor(graph.weights["bias"]), eps=1e-3).numpy()
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
+    for order in ("ascending", "descending"):
+        (y,) = model.schedule(order).run(inputs)
+        np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
