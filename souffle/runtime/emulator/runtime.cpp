@@ -175,14 +175,13 @@ bool ordered(const Access& before, int thread) {
   return before.thread / launch->threads == block && launch->block_epochs[block] > before.block_epoch;
 }
 
-void race(const char* what, const char* memory, size_t offset, const Access& first, const Fiber& second,
-          uintptr_t pc) {
-  int first_block = first.thread / launch->threads;
-  const char* missing = first_block == second.block ? "__syncthreads" : "grid barrier";
-  fail("kernel %s: data race on %s word %zu: %s %s it and %s %s it with no %s between them",
-       launch->kernel.c_str(), memory, offset, thread_name(first_block, first.thread % launch->threads).c_str(),
-       what, thread_name(second.block, second.thread).c_str(), strstr(what, "read") ? "writes" : "reads", missing);
-  launch->error_pcs = module_offset(first.pc) + " " + module_offset(pc);
+// A write after an unordered read: "X read it and Y writes it".
+void write_after_read(const char* memory, size_t offset, const Access& read, const Fiber& writer, uintptr_t pc) {
+  int read_block = read.thread / launch->threads;
+  fail("kernel %s: data race on %s word %zu: %s read it and %s writes it with no %s between them",
+       launch->kernel.c_str(), memory, offset, thread_name(read_block, read.thread % launch->threads).c_str(),
+       thread_name(writer.block, writer.thread).c_str(), read_block == writer.block ? "__syncthreads" : "grid barrier");
+  launch->error_pcs = module_offset(read.pc) + " " + module_offset(pc);
 }
 
 void check_word(Word& word, bool write, const char* memory, size_t offset, uintptr_t pc) {
@@ -190,7 +189,7 @@ void check_word(Word& word, bool write, const char* memory, size_t offset, uintp
   int me = fiber.block * launch->threads + fiber.thread;
   Access now{me, launch->grid_epoch, launch->block_epochs[fiber.block], pc};
   if (!ordered(word.write, me)) {
-    // A write then a read or write; say it as "X wrote it and Y reads/writes it".
+    // A read or write after an unordered write: "X wrote it and Y reads/writes it".
     int first_block = word.write.thread / launch->threads;
     fail("kernel %s: data race on %s word %zu: %s wrote it and %s %s it with no %s between them",
          launch->kernel.c_str(), memory, offset, thread_name(first_block, word.write.thread % launch->threads).c_str(),
@@ -202,7 +201,7 @@ void check_word(Word& word, bool write, const char* memory, size_t offset, uintp
   if (write) {
     for (const Access* reader : {&word.read, &word.other_read}) {
       if (!ordered(*reader, me)) {
-        race("read", memory, offset, *reader, fiber, pc);
+        write_after_read(memory, offset, *reader, fiber, pc);
         return;
       }
     }
