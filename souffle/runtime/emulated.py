@@ -52,7 +52,7 @@ class EmulationError(SouffleError, RuntimeError):
     block, threads and source lines."""
 
 
-def kernel_signature(source: str, kernel: str) -> list[tuple[str, str]]:
+def kernel_signature(source: str, kernel: str = "main_kernel") -> list[tuple[str, str]]:
     """(C type, name) of each parameter of ``kernel``'s definition in CUDA ``source``, in order."""
     match = re.search(rf"__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s+)?{kernel}\s*\(([^)]*)\)\s*{{", source)
     if match is None:
