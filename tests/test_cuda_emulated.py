@@ -125,6 +125,22 @@ def test_32_lanes_adding_into_one_shared_word_is_a_race(order):
         _run(SHARED_SUM, order, [_x()], 1)
 
 
+def test_a_loop_bound_to_fewer_threads_than_its_iterations_leaves_poison():
+    """Issue 15's shared epilogue: a tile of 128 elements walked by 64 threads once, not twice;
+    the elements no thread writes keep the poison the emulator starts every buffer with."""
+    source = _kernel("""
+      for (int i = 0; i < 1; ++i) {
+        y_ptr[blockIdx.x * 128 + i * 64 + threadIdx.x] = x_ptr[blockIdx.x * 128 + i * 64 + threadIdx.x];
+      }""")
+    device = EmulatedDevice(GRID, "descending")
+    kernel = device.load_kernels(source, {}, ("main_kernel",), 0)["main_kernel"]
+    y = device.alloc(GRID * 128 * 4)
+    kernel.launch(GRID, (THREADS, 1, 1), [device.upload(np.ones(GRID * 128, np.float32)), y, GRID])
+    tiles = y.download("float32", (GRID, 128))
+    np.testing.assert_array_equal(tiles[:, :64], 1.0)
+    assert np.isnan(tiles[:, 64:]).all()
+
+
 def test_barrier_only_some_threads_reach_is_reported_not_hung():
     source = _kernel("""
       if (threadIdx.x < 16) __syncthreads();
