@@ -35,6 +35,7 @@ from souffle.runtime.emulated import kernel_signature
 
 KERNEL_NAME = "main_kernel"
 GRID_PARAM = "grid_size"
+PASS_CONFIG = {"tirx.merge_static_smem": True}  # TVM's lowering of every kernel (source and validation)
 
 
 def _grid_sync() -> tirx.Stmt:
@@ -192,7 +193,7 @@ def cuda_source(funcs: tirx.PrimFunc | dict, arch: str) -> str:
     fails on a block-wide all-reduce, which is why reductions stay within a warp.
     """
     funcs = funcs if isinstance(funcs, dict) else {"main": funcs}
-    with tvm.transform.PassContext(config={"tirx.merge_static_smem": True}):
+    with tvm.transform.PassContext(config=PASS_CONFIG):
         executable = tvm.compile(tvm.IRModule(funcs), target=cuda_target(arch))
     return executable.mod.imports[0].inspect_source()
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from functools import partial
 
+from analysis.threads import device_functions, validate_kernels
 from codegen.arena import plan_arena
 from codegen.barriers import place_barriers
 from codegen.cpu_transforms import hoist_scan_projections, pack_weights
-from codegen.cuda import CudaSource, build_emulated, check_co_residency, cuda_compile, cuda_source, kernel_plan
+from codegen.cuda import (PASS_CONFIG, CudaSource, HostLoop, build_emulated, check_co_residency, cuda_compile, cuda_source,
+                          cuda_target, kernel_plan)
 from codegen.epilogues import fuse_epilogues
 from codegen.horizontal import horizontal
 from codegen.llvm import CpuModule, build, persistent_cpu_function
@@ -49,6 +51,9 @@ KERNELS = IRKind("kernels", "kernels.txt")
 LLVM_IR = IRKind("module", "ll")
 
 DEFAULT_OPT_LEVEL = 4
+# The thread-level validator runs by default once main's known kernel defects (issue 15) are fixed;
+# until then ``souffle compile --validate`` (``souffle.compile(..., validate=True)``) asks for it.
+VALIDATE_BY_DEFAULT = False
 OPT_LEVELS = {
     0: "one kernel per TE",
     1: "+ horizontal (and the LSTM wavefront)",
@@ -83,6 +88,29 @@ SYNCHRONIZATION = (
     Pass("plan_arena", lambda staged, _: plan_arena(staged), STAGED),
 )
 
+def validate_threads(source: CudaSource, options) -> Outcome:
+    """Every kernel of ``source``, as TVM lowers it for the CUDA code generator, checked by
+    ``analysis.threads`` (races, coverage, deadlock, launch fit): a ``ValidationError`` if one
+    is unsafe; the notes say where the check over-approximated."""
+    if not options.validate:
+        return Outcome(source, ["skipped (validation off)"])
+    plan = source.plan
+    counters = {}
+
+    def host_loops(launches):
+        for launch in launches:
+            if isinstance(launch, HostLoop):
+                counters[launch.counter] = launch.trips
+                host_loops(launch.body)
+
+    host_loops(plan.launches)
+    min_grids = {f"{launch.kernel}_kernel": launch.min_grid for launch in plan.kernel_launches()}
+    functions = device_functions(plan.funcs, cuda_target(options.device.arch), PASS_CONFIG)
+    results = validate_kernels(functions, plan.staged.threads, counters, min_grids)
+    return Outcome(source, [f"{r.kernel}: {note}" for r in results for note in r.notes]
+                   + [f"{len(results)} kernels validated"])
+
+
 CUDA = Pipeline("cuda", GRAPH, (
     *TRANSFORMS,
     Pass("fuse_epilogues", lambda program, o: fuse_epilogues(program, True, o.threads), TE, from_level=3),
@@ -90,6 +118,7 @@ CUDA = Pipeline("cuda", GRAPH, (
     *SYNCHRONIZATION,
     Pass("kernel_plan", lambda staged, _: kernel_plan(staged), TIR),
     Pass("cuda_source", lambda plan, o: CudaSource(plan, cuda_source(plan.funcs, o.device.arch)), CUDA_SOURCE),
+    Pass("validate_threads", validate_threads, CUDA_SOURCE),
     Pass("nvcc", lambda source, o: cuda_compile(source, o.device.arch), PTXAS),
     Pass("co_residency", lambda binary, o: check_co_residency(binary, o.device), KERNELS),
 ), "h200", OPT_LEVELS, DEFAULT_OPT_LEVEL, THREADS)

@@ -30,7 +30,8 @@ def _compile(args) -> int:
     else:
         graph = models.build(args.model, config=args.config, seed=args.seed)  # refuses a seed numpy does not take
     compiled = souffle.compile(graph, target=args.target, device=args.device, threads=args.threads,
-                               opt_level=args.opt_level, dump_ir=args.dump_ir, print_after=args.print_after)
+                               opt_level=args.opt_level, dump_ir=args.dump_ir, print_after=args.print_after,
+                               validate=args.validate)
     if (args.thread_order, args.order_seed, args.grid) != ("ascending", 0, None) and not emulated:
         raise SouffleError("--thread-order, --order-seed and --grid choose how cuda-emulated runs the kernel: they need "
                            f"--target cuda-emulated, not {args.target!r}")
@@ -170,6 +171,9 @@ def _parser() -> argparse.ArgumentParser:
     compile_cmd.add_argument("--print-after", metavar="PASS", action="append", default=[],
                              help="print the IR after pass PASS (repeatable; `souffle passes` lists them)")
     compile_cmd.add_argument("--json", action="store_true", help="print the report as JSON")
+    compile_cmd.add_argument("--validate", action=argparse.BooleanOptionalAction, default=None,
+                             help="check every CUDA kernel's threads before nvcc: races, coverage, deadlock, launch "
+                                  "fit (--no-validate skips it, for debugging only)")
     compile_cmd.set_defaults(run=_compile)
     analyze_cmd = commands.add_parser(
         "analyze", help="classify every TE's dependences, reuse, FLOPs and bytes (the global analysis)")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis.device import DEVICES, get_device
-from codegen.pipelines import PIPELINES
+from codegen.pipelines import PIPELINES, VALIDATE_BY_DEFAULT
 from souffle import models
 from souffle.compiled import CompiledModel, CpuModel, Report
 from souffle.cuda_model import CudaModel, EmulatedModel
@@ -33,7 +33,7 @@ __all__ = ["TARGETS", "CompiledModel", "Report", "compile", "export_check", "run
 
 def compile(graph: Graph, target: str = "llvm", device: str | None = None, threads: int | None = None,
             opt_level: int | None = None, dump_ir: str | Path | None = None,
-            print_after: tuple[str, ...] | list[str] = ()) -> CompiledModel:
+            print_after: tuple[str, ...] | list[str] = (), validate: bool | None = None) -> CompiledModel:
     """Compile a whole model for ``target``.
 
     - ``"llvm"``: one CPU function, with the CPU's own schedules (the fast CPU path).
@@ -56,24 +56,29 @@ def compile(graph: Graph, target: str = "llvm", device: str | None = None, threa
 
     ``dump_ir`` names a directory for the IR after every pass (``NN-pass.kind`` files, in
     pipeline order, ``00-input`` the graph); ``print_after`` names passes whose IR is printed.
+
+    ``validate`` (cuda): check every kernel's threads before nvcc (``analysis.threads``: races,
+    coverage, deadlock, launch fit), a ``ValidationError`` if one is unsafe; None takes the
+    pipeline's default (``codegen.pipelines.VALIDATE_BY_DEFAULT``), False is for debugging.
     """
     if not isinstance(graph, Graph):
         raise SouffleError(f"souffle.compile takes a souffle Graph, got {type(graph).__name__}")
     pipeline = _pipeline(target)
     if graph.weights is None:
         raise SouffleError(f"graph {graph.name!r} has no weights; build it with arrays or call .with_weights(...)")
-    options = _options(pipeline, device, threads, opt_level)
+    options = _options(pipeline, device, threads, opt_level, validate)
     run = pipeline.run(graph, options, dump_dir=dump_ir, print_after=print_after)
     return MODELS[target](graph, run)
 
 
 def run_passes(ir, target: str = "cuda", start: str | None = None, stop: str | None = None,
-               device: str | None = None, threads: int | None = None, opt_level: int | None = None) -> PipelineRun:
+               device: str | None = None, threads: int | None = None, opt_level: int | None = None,
+               validate: bool | None = None) -> PipelineRun:
     """Part of ``target``'s pipeline, from pass ``start`` to pass ``stop`` (inclusive; by default
     from the first to the last), applied to ``ir`` (what ``start`` takes) with the options
     ``compile`` would use: the passes' IRs, times and notes."""
     pipeline = _pipeline(target)
-    return pipeline.run(ir, _options(pipeline, device, threads, opt_level), start=start, stop=stop)
+    return pipeline.run(ir, _options(pipeline, device, threads, opt_level, validate), start=start, stop=stop)
 
 
 def staged_program(program: TEProgram, target: str = "cuda", threads: int | None = None,
@@ -90,14 +95,17 @@ def _pipeline(target: str) -> Pipeline:
     return PIPELINES[target]
 
 
-def _options(pipeline: Pipeline, device: str | None, threads, opt_level) -> CompileOptions:
+def _options(pipeline: Pipeline, device: str | None, threads, opt_level, validate: bool | None = None) -> CompileOptions:
     kind = get_device(pipeline.device).kind
     model = get_device(device or pipeline.device)
     if model.kind != kind:
         choices = ", ".join(repr(name) for name in DEVICES if get_device(name).kind == kind)
         raise TargetError(f"target {pipeline.target!r} needs a {kind.upper()} device model, not {model.name!r}; "
                           f"use {choices}")
-    return CompileOptions(pipeline.target, pipeline.check_level(opt_level), pipeline.check_threads(threads), model)
+    if validate is not None and not isinstance(validate, bool):
+        raise SouffleError(f"validate must be True, False or None, got {validate!r}")
+    return CompileOptions(pipeline.target, pipeline.check_level(opt_level), pipeline.check_threads(threads), model,
+                          VALIDATE_BY_DEFAULT if validate is None else validate)
 
 
 def export_check(name: str, config: str, directory, archs: tuple[str, ...] = ("sm_80",), opt_level: int | None = None):

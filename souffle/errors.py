@@ -55,3 +55,8 @@ class ModelImportError(SouffleError, ValueError):
 
 class UnsupportedOpError(ModelImportError):
     """An op of an imported model with no conversion rule; the message names it and where it is."""
+
+
+class ValidationError(SouffleError, RuntimeError):
+    """A kernel the thread-level validator (``analysis.threads``) refuses: a race, a missed or
+    doubly written element, a barrier not every thread reaches, or a launch it does not fit."""

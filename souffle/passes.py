@@ -45,6 +45,7 @@ class CompileOptions:
     opt_level: int | None  # None where the pipeline has no opt levels
     threads: int | None  # threads per block of the persistent kernel
     device: object  # the device model (analysis.device.DeviceModel) the passes size things for
+    validate: bool = False  # run the thread-level validator on CUDA kernels (off only for debugging once it is on)
 
 
 @dataclass(frozen=True)

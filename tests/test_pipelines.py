@@ -32,7 +32,7 @@ def test_every_target_has_one_declared_pipeline():
     assert LLVM.names == ["hoist_scan_projections", "pack_weights", "lower", "stitch", "build"]
     persistent = ["wavefront", "horizontal", "lower", "vertical", "fuse_epilogues", "stage", "kernel_per_stage",
                   "global_sync", "place_barriers", "partition", "keep_weights_on_chip", "plan_arena"]
-    assert CUDA.names == persistent + ["kernel_plan", "cuda_source", "nvcc", "co_residency"]
+    assert CUDA.names == persistent + ["kernel_plan", "cuda_source", "validate_threads", "nvcc", "co_residency"]
     assert LLVM_PERSISTENT.names == persistent + ["staged_function", "build"]
     assert CUDA_EMULATED.names == CUDA.names + ["emulated_build"]
     levels = {p.name: p.from_level for p in CUDA.passes if p.from_level}

@@ -1,0 +1,1112 @@
+"""Static thread-level validation of a persistent CUDA kernel, on the TIR that becomes its source.
+
+``device_functions`` lowers the kernel plan's PrimFuncs with TVM's own CUDA pipeline up to the
+point where ``target.build.cuda`` prints them (after ``SplitHostDevice`` and the device
+finalization passes), so what is checked is what nvcc compiles. ``validate_kernel`` reads one
+such device function as a persistent kernel: a 1-D grid of ``grid_size`` blocks (an isl
+parameter ``G``, so every check holds for every grid size >= 1), blocks of (32, warps, 1) threads,
+each stage a loop ``for t in range(ceildiv(n_tiles - blockIdx.x, G))`` over tiles
+``tile = blockIdx.x + t * G``. Every memory access becomes an isl set over (tile or block,
+threadIdx.x, threadIdx.y, loop iterations) with its byte address; it checks
+
+- launch fit: the thread extents are the launch's block shape, the block extent is ``grid_size``;
+- no deadlock: no barrier under a condition or a loop trip count that depends on the thread
+  index, the block index or data (a grid barrier also not inside a stage's tile loop);
+- bounds: every affine index lies inside the buffer (or view) it indexes;
+- coverage: each stage writes every element of each global buffer it writes, each element from
+  exactly one (tile, thread); a thread may write an element several times (a reduction
+  accumulates in place), no other thread may;
+- no races: two accesses to the same bytes, one a write, by different threads, must be ordered by
+  a barrier executed between them: a ``__syncthreads`` (or grid barrier) for threads of one
+  block, in shared or global memory, the grid barrier for threads of different blocks.
+  Registers (``local``) and warp shuffles, which exchange registers, never race.
+
+How every grid size is covered: an address is a function of the tile, never of ``G`` (``t * G``
+is rewritten as ``tile - blockIdx.x``). Two accesses with different tiles (or blocks) run on
+different blocks for a large enough ``G`` and on one block for ``G = 1``; so a conflict between
+different tiles needs a grid barrier (global memory), and in shared memory any conflict between
+different threads needs a block barrier, whatever the tiles. Between two tiles of one block only
+the barriers in those two tiles' iterations are counted, never those of the tiles in between
+(which another ``G`` may give to another block). Over-approximations, reported in the result's
+notes, never accept silently: a non-affine index is any address; a non-affine condition is
+dropped (the access may happen); ``blockIdx.x`` or ``t`` left alone in an index are variables
+bounded only by ``0 <= blockIdx.x, t <= tile``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+
+import islpy as isl
+import tvm
+from tvm import tirx
+from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds
+from tvm.tirx.build import split_host_device_mods
+
+from souffle.errors import ValidationError
+
+WARP = 32
+GRID = "G"
+BLOCK = "bx"
+LANE = "tx"
+WARP_INDEX = "ty"
+THREAD_TAGS = {"threadIdx.x": LANE, "threadIdx.y": WARP_INDEX}
+
+
+def device_functions(funcs: dict, target: tvm.target.Target, config: dict) -> dict[str, tirx.PrimFunc]:
+    """The device PrimFuncs ``tvm.compile(IRModule(funcs), target)`` hands to the CUDA code
+    generator under ``PassContext(config=config)``: TVM's own pipeline, run to that point."""
+    with tvm.transform.PassContext(config=config):
+        mod = tvm.tirx.transform.BindTarget(target.with_host(tvm.target.Target("llvm")))(tvm.IRModule(funcs))
+        pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
+        _, devices = split_host_device_mods(pipeline(mod))
+        functions = {}
+        for device_mod in devices.values():
+            for gvar, func in finalize_device()(device_mod).functions.items():
+                functions[gvar.name_hint] = func
+    return functions
+
+
+# -- quasi-affine forms ------------------------------------------------------------------------
+class NonAffine(Exception):
+    """An expression isl cannot represent exactly."""
+
+
+@dataclass(frozen=True)
+class Floor:
+    """floor(form / divisor), an isl quasi-affine term."""
+
+    form: tuple
+    divisor: int
+
+
+@dataclass(frozen=True)
+class Modulo:
+    """form mod divisor (in [0, divisor)), an isl quasi-affine term."""
+
+    form: tuple
+    divisor: int
+
+
+class Form:
+    """An integer linear combination of monomials (tuples of atoms: variable names or ``Floor``);
+    monomials of degree 2 exist only until ``t * G`` is rewritten as ``tile - blockIdx.x``."""
+
+    __slots__ = ("terms",)
+
+    def __init__(self, terms=None):
+        self.terms = {k: v for k, v in (terms or {}).items() if v}
+
+    @staticmethod
+    def const(c: int) -> Form:
+        return Form({(): int(c)})
+
+    @staticmethod
+    def atom(a) -> Form:
+        return Form({(a,): 1})
+
+    def __add__(self, other: Form) -> Form:
+        terms = dict(self.terms)
+        for k, v in other.terms.items():
+            terms[k] = terms.get(k, 0) + v
+        return Form(terms)
+
+    def scale(self, c: int) -> Form:
+        return Form({k: v * c for k, v in self.terms.items()})
+
+    def __sub__(self, other: Form) -> Form:
+        return self + other.scale(-1)
+
+    def constant(self) -> int | None:
+        return self.terms.get((), 0) if all(k == () for k in self.terms) else None
+
+    def atoms(self) -> set:
+        found = set()
+        for k in self.terms:
+            for a in k:
+                found |= Form(dict(a.form)).atoms() if isinstance(a, (Floor, Modulo)) else {a}
+        return found
+
+    def frozen(self) -> tuple:
+        return tuple(sorted(self.terms.items(), key=repr))
+
+    def render(self, suffix: str = "") -> str:
+        parts = []
+        for k, v in self.terms.items():
+            if len(k) > 1:
+                raise NonAffine(" * ".join(map(str, k)))
+            parts.append(f"{v}" if not k else f"{v}*{_render_atom(k[0], suffix)}")
+        return "(" + (" + ".join(parts) or "0") + ")"
+
+
+def _render_atom(a, suffix: str) -> str:
+    if isinstance(a, Floor):
+        return f"floor({Form(dict(a.form)).render(suffix)}/{a.divisor})"
+    if isinstance(a, Modulo):
+        return f"({Form(dict(a.form)).render(suffix)} mod {a.divisor})"
+    return a if _is_parameter(a) else a + suffix
+
+
+def _is_parameter(atom) -> bool:
+    """The grid size and the kernel's scalar arguments (host loop counters): one value for every thread."""
+    return atom == GRID or (isinstance(atom, str) and atom.startswith("P_"))
+
+
+def _times(x: Form, y: Form, tiles: dict) -> Form:
+    terms: dict = {}
+    for (kx, vx), (ky, vy) in itertools.product(x.terms.items(), y.terms.items()):
+        k = tuple(sorted(kx + ky, key=repr))
+        terms[k] = terms.get(k, 0) + vx * vy
+    out = Form()
+    for k, v in terms.items():
+        tile = tiles.get(k)
+        if tile is not None:  # t * G == tile - blockIdx.x
+            out = out + (Form.atom(tile) - Form.atom(BLOCK)).scale(v)
+        elif len(k) > 2:
+            raise NonAffine("a product of more than two variables")
+        else:
+            out = out + Form({k: v})
+    return out
+
+
+def _floordiv(x: Form, c: int) -> Form:
+    if c <= 0:
+        raise NonAffine(f"a division by {c}")
+    if any(len(k) > 1 for k in x.terms):
+        raise NonAffine("a division of a product")
+    constant = x.constant()
+    if constant is not None:
+        return Form.const(constant // c)
+    if _nonnegative(x) and _upper(x) < c:
+        return Form.const(0)
+    return Form.atom(Floor(x.frozen(), c))
+
+
+def _floormod(x: Form, c: int) -> Form:
+    if c <= 0:
+        raise NonAffine(f"a modulo by {c}")
+    if any(len(k) > 1 for k in x.terms):
+        raise NonAffine("a modulo of a product")
+    constant = x.constant()
+    if constant is not None:
+        return Form.const(constant % c)
+    return Form.atom(Modulo(x.frozen(), c))
+
+
+def _nonnegative(x: Form) -> bool:
+    """Sufficient: every variable is >= 0 (thread, block and tile indices, loop counters from 0,
+    the grid size, host loop counters), so a form with no negative coefficient is."""
+    for k, v in x.terms.items():
+        if v < 0 or any(isinstance(a, Floor) and not _nonnegative(Form(dict(a.form))) for a in k):
+            return False
+    return True
+
+
+def _upper(x: Form) -> float:
+    """An upper bound of a non-negative form, where its atoms have one (modulos)."""
+    total = 0
+    for k, v in x.terms.items():
+        if not k:
+            total += v
+        elif len(k) == 1 and isinstance(k[0], Modulo):
+            total += v * (k[0].divisor - 1)
+        else:
+            return float("inf")
+    return total
+
+
+class Converter:
+    """TIR integer expressions -> ``Form`` (variables named by the walker)."""
+
+    def __init__(self):
+        self.env: dict = {}  # tirx.Var -> Form
+        self.tiles: dict = {}  # (G, t_k) monomial -> tile variable
+
+    def form(self, e) -> Form:
+        if isinstance(e, tirx.IntImm):
+            return Form.const(e.value)
+        if isinstance(e, tirx.Var):
+            if e in self.env:
+                return self.env[e]
+            raise NonAffine(f"variable {e.name}")
+        if isinstance(e, tirx.Cast):
+            return self.form(e.value)
+        if isinstance(e, tirx.Add):
+            return self.form(e.a) + self.form(e.b)
+        if isinstance(e, tirx.Sub):
+            return self.form(e.a) - self.form(e.b)
+        if isinstance(e, tirx.Mul):
+            return _times(self.form(e.a), self.form(e.b), self.tiles)
+        if isinstance(e, (tirx.FloorDiv, tirx.FloorMod, tirx.Div, tirx.Mod, tirx.RShift, tirx.BitwiseAnd)):
+            a, b = e.a, e.b
+            if isinstance(e, tirx.BitwiseAnd) and isinstance(a, tirx.IntImm):
+                a, b = b, a
+            x, c = self.form(a), self.form(b).constant()
+            if c is None:
+                raise NonAffine(f"{type(e).__name__} by a variable")
+            if isinstance(e, (tirx.Div, tirx.Mod)) and not _nonnegative(x):
+                raise NonAffine(f"a C division of {x.render()}, which may be negative")
+            if isinstance(e, tirx.RShift):
+                return _floordiv(x, 2 ** c)
+            if isinstance(e, tirx.BitwiseAnd):
+                if x.constant() == 0:
+                    return Form.const(0)
+                if c < 0 or (c + 1) & c:
+                    raise NonAffine(f"& {c}")
+                return _floormod(x, c + 1)
+            if isinstance(e, (tirx.FloorDiv, tirx.Div)):
+                return _floordiv(x, c)
+            return _floormod(x, c)
+        if isinstance(e, tirx.Let):
+            self.env[e.var] = self.form(e.value)
+            return self.form(e.body)
+        raise NonAffine(type(e).__name__)
+
+    def condition(self, e) -> str:
+        """An isl constraint template (``{s}`` for the variables' suffix)."""
+        if isinstance(e, tirx.And):
+            return f"({self.condition(e.a)} and {self.condition(e.b)})"
+        if isinstance(e, tirx.Or):
+            return f"({self.condition(e.a)} or {self.condition(e.b)})"
+        if isinstance(e, tirx.Not):
+            return f"(not {self.condition(e.a)})"
+        ops = {tirx.LT: "<", tirx.LE: "<=", tirx.GT: ">", tirx.GE: ">=", tirx.EQ: "=", tirx.NE: "!="}
+        for kind, op in ops.items():
+            if isinstance(e, kind):
+                return f"({self.template(self.form(e.a))} {op} {self.template(self.form(e.b))})"
+        if isinstance(e, tirx.IntImm):
+            return "(0 = 0)" if e.value else "(1 = 0)"
+        raise NonAffine(type(e).__name__)
+
+    @staticmethod
+    def template(f: Form) -> str:
+        return f.render("{s}")
+
+
+def _free(e, env: dict) -> set:
+    """The names (walker variables) and "data" an expression depends on."""
+    found: set = set()
+
+    def visit(x):
+        if isinstance(x, tirx.Var):
+            found.update(env[x].atoms() if x in env else {f"?{x.name}"})
+        elif isinstance(x, TensorLoad):
+            found.add("data")
+            for i in x.indices:
+                visit(i)
+        elif isinstance(x, tirx.Let):
+            visit(x.value)
+            visit(x.body)
+        elif isinstance(x, tvm.ir.Call):
+            if x.op.name not in ("tirx.likely", "prim.likely"):
+                found.add("data")
+            for a in x.args:
+                visit(a)
+        elif isinstance(x, tirx.Ramp):
+            visit(x.base)
+            visit(x.stride)
+        else:
+            for name in ("a", "b", "value", "condition", "true_value", "false_value"):
+                if hasattr(x, name) and isinstance(getattr(x, name), tirx.Expr):
+                    visit(getattr(x, name))
+
+    visit(e)
+    return {n if isinstance(n, str) else str(n) for n in found}
+
+
+# -- what the walker records -------------------------------------------------------------------
+@dataclass
+class Memory:
+    """A buffer's place: ``root`` (the allocation or parameter it views) at ``offset`` bytes."""
+
+    name: str
+    root: object  # the root buffer
+    scope: str
+    offset: Form | None  # None: not affine
+    elem_bytes: int
+    extent: int | None  # elements of the view; None where symbolic or an alias of merged shared memory
+    root_bytes: int | None = None  # the root allocation's size, where known
+
+
+@dataclass
+class Access:
+    stmt: str  # the statement, for messages
+    buffer: str
+    memory: Memory
+    write: bool
+    index: Form | None  # element index in the buffer; None: not affine
+    width: int  # bytes
+    variables: list
+    domain: list  # isl constraint templates
+    path: tuple
+    block: str  # the variable telling blocks apart: a tile or blockIdx.x
+    stage: int | None
+    approximate: bool
+
+
+@dataclass
+class Barrier:
+    kind: str  # "grid" or "block"
+    path: tuple
+
+
+@dataclass
+class Kernel:
+    """What ``validate_kernel`` read of one device function."""
+
+    name: str
+    accesses: list = field(default_factory=list)
+    barriers: list = field(default_factory=list)
+    stages: dict = field(default_factory=dict)  # stage number -> (tile variable, n_tiles, name)
+    surely: dict = field(default_factory=dict)  # (kind, seq id) -> [child runs a barrier of kind]
+    loop_body_surely: dict = field(default_factory=dict)  # (kind, loop id) -> body runs one
+    loop_info: dict = field(default_factory=dict)  # loop id -> (variable, is tile loop)
+    notes: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+    params: list = field(default_factory=lambda: [GRID])  # isl parameters
+    parameter_domain: list = field(default_factory=list)  # host loop counters' ranges
+    grid_domain: str = f"{GRID} >= 1"
+    bounds: dict = field(default_factory=dict)  # variable -> (lowest, highest), where constant
+
+
+KINDS = {"grid": ("grid",), "block": ("grid", "block")}  # what a check counts as ordering
+
+
+class Walker:
+    def __init__(self, func: tirx.PrimFunc, warps: int, name: str, counters: dict, min_grid: int):
+        self.counters = counters
+        self.min_grid = min_grid
+        self.func = func
+        self.warps = warps
+        self.kernel = Kernel(name, grid_domain=f"{GRID} >= {min_grid}")
+        self.conv = Converter()
+        self.memories: dict = {}  # buffer -> Memory
+        self.ids = itertools.count()
+        self.grid_var = None
+
+    # memory
+    def root(self, buffer: tirx.Buffer, scope: str) -> Memory:
+        extent = _extent(buffer)
+        bytes_ = buffer.dtype.bits * buffer.dtype.lanes // 8
+        return Memory(buffer.name, buffer, scope, Form.const(0), bytes_, extent,
+                      None if extent is None else extent * bytes_)
+
+    def declare(self, stmt: tirx.DeclBuffer):
+        """A view: over another buffer's data (an alias) or at ``address_of(base[offset])``."""
+        buffer = stmt.buffer
+        data = stmt.data
+        bytes_ = buffer.dtype.bits * buffer.dtype.lanes // 8
+        if isinstance(data, tvm.ir.Call) and data.op.name == "tirx.buffer_data":
+            # an alias (TVM's merged shared memory): its declared shape does not bound it, its root does
+            parent = self.memory(data.args[0])
+            self.memories[buffer] = Memory(buffer.name, parent.root, parent.scope, parent.offset, bytes_, None,
+                                           parent.root_bytes)
+            return
+        if not (isinstance(data, tvm.ir.Call) and data.op.name == "tirx.address_of"):
+            self.memories[buffer] = self.root(buffer, buffer.scope())
+            return
+        load = data.args[0]
+        parent = self.memory(load.source)
+        try:
+            offset = None if parent.offset is None else (
+                parent.offset + self.conv.form(load.indices[0]).scale(parent.elem_bytes))
+        except NonAffine as why:
+            self.kernel.notes.append(f"view {buffer.name}: offset not affine ({why}): any address")
+            offset = None
+        self.memories[buffer] = Memory(buffer.name, parent.root, parent.scope, offset, bytes_, _extent(buffer),
+                                       parent.root_bytes)
+
+    def memory(self, buffer) -> Memory:
+        """Where ``buffer`` lives (a buffer never declared is its own root)."""
+        if buffer not in self.memories:
+            self.memories[buffer] = self.root(buffer, buffer.scope())
+        return self.memories[buffer]
+
+    # walk
+    def run(self) -> Kernel:
+        for param in self.func.params:
+            if param.name == "grid_size":
+                self.grid_var = param
+                self.conv.env[param] = Form.atom(GRID)
+            elif str(getattr(param.ty, "dtype", "")).startswith("int"):
+                self.conv.env[param] = Form.atom(f"P_{param.name}")
+                self.kernel.params.append(f"P_{param.name}")
+                if param.name in self.counters:
+                    self.kernel.parameter_domain.append(f"0 <= P_{param.name} < {self.counters[param.name]}")
+                    self.kernel.bounds[f"P_{param.name}"] = (0, self.counters[param.name] - 1)
+                else:
+                    self.kernel.notes.append(f"argument {param.name}: any value")
+        if self.grid_var is None:
+            self.kernel.errors.append("launch: the kernel has no grid_size parameter")
+            return self.kernel
+        ctx = Context(variables=[BLOCK, LANE, WARP_INDEX],
+                      domain=[f"0 <= {BLOCK}{{s}} < {GRID}", f"{GRID} >= {self.min_grid}",
+                              *self.kernel.parameter_domain],
+                      path=(), block=BLOCK, stage=None, uniform_block=True, uniform_grid=True, approximate=False,
+                      in_tile=False)
+        ctx.domain += [f"0 <= {LANE}{{s}} < {WARP}", f"0 <= {WARP_INDEX}{{s}} < {self.warps}"]
+        self.stmt(self.func.body, ctx)
+        return self.kernel
+
+    def stmt(self, s, ctx: Context) -> tuple[bool, bool]:
+        """Walk ``s``; returns whether it surely runs a (grid, block-or-grid) barrier."""
+        if isinstance(s, tirx.SeqStmt):
+            sid = next(self.ids)
+            flags = []
+            for k, child in enumerate(s.seq):
+                flags.append(self.stmt(child, ctx.child(path=ctx.path + (("s", sid, k),))))
+            self.kernel.surely[("grid", sid)] = [f[0] for f in flags]
+            self.kernel.surely[("block", sid)] = [f[1] for f in flags]
+            return any(f[0] for f in flags), any(f[1] for f in flags)
+        if isinstance(s, tirx.DeclBuffer):
+            self.declare(s)
+            return False, False
+        if isinstance(s, tirx.AllocBuffer):
+            self.memories[s.buffer] = self.root(s.buffer, s.buffer.scope())
+            return False, False
+        if isinstance(s, tirx.Bind):
+            self.bind(s.var, s.value)
+            return False, False
+        if isinstance(s, tirx.LetStmt):
+            self.bind(s.var, s.value)
+            return self.stmt(s.body, ctx)
+        if isinstance(s, tirx.AttrStmt):
+            if s.attr_key == "thread_extent":
+                self.launch(s, ctx)
+            return self.stmt(s.body, ctx)
+        if isinstance(s, tirx.For):
+            return self.loop(s, ctx)
+        if isinstance(s, tirx.IfThenElse):
+            return self.branch(s, ctx)
+        if isinstance(s, tirx.BufferStore):
+            self.reads(s.value, ctx, s)
+            for i in s.indices:
+                self.reads(i, ctx, s)
+            self.access(s.buffer, s.indices, True, ctx, s)
+            return False, False
+        if isinstance(s, tirx.Evaluate):
+            return self.evaluate(s, ctx)
+        if isinstance(s, tirx.While):
+            self.kernel.errors.append("control: a while loop, which the validator does not model")
+            return False, False
+        raise ValidationError(f"kernel {self.kernel.name}: a {type(s).__name__} statement, which the validator "
+                              f"does not model")
+
+    def bind(self, var, value):
+        try:
+            self.conv.env[var] = self.conv.form(value)
+        except NonAffine:
+            self.conv.env.pop(var, None)
+
+    def launch(self, s: tirx.AttrStmt, ctx: Context):
+        tag = s.node.thread_tag
+        var = s.node.var
+        extent = s.value
+        if tag == "blockIdx.x":
+            if not (isinstance(extent, tirx.Var) and extent.same_as(self.grid_var)):
+                self.kernel.errors.append(f"launch fit: blockIdx.x runs over {extent}, not the grid_size parameter")
+            self.conv.env[var] = Form.atom(BLOCK)
+            return
+        if tag in THREAD_TAGS:
+            expected = WARP if tag == "threadIdx.x" else self.warps
+            if not (isinstance(extent, tirx.IntImm) and extent.value == expected):
+                self.kernel.errors.append(f"launch fit: {tag} is launched over {extent}, but the block is "
+                                          f"(32, {self.warps}, 1): {tag} must run over {expected}")
+            self.conv.env[var] = Form.atom(THREAD_TAGS[tag])
+            return
+        if not (isinstance(extent, tirx.IntImm) and extent.value == 1):
+            self.kernel.errors.append(f"launch fit: {tag} is launched over {extent}; the persistent kernel's "
+                                      f"launch has a 1-D grid and (32, {self.warps}, 1) blocks")
+        self.conv.env[var] = Form.const(0)
+
+    def loop(self, s: tirx.For, ctx: Context) -> tuple[bool, bool]:
+        lid = next(self.ids)
+        free = _free(s.extent, self.conv.env) | _free(s.min, self.conv.env)
+        tile = self.persistent_extent(s)
+        name = f"i{lid}"
+        child = ctx.child(path=ctx.path + (("l", lid),), variables=ctx.variables + [name])
+        if tile is not None:
+            if ctx.in_tile:
+                self.kernel.errors.append(f"loop {s.loop_var.name}: a stage's tile loop inside another")
+            stage = len(self.kernel.stages)
+            tile_name = f"T{lid}"
+            n_tiles = tile
+            self.kernel.stages[stage] = (tile_name, n_tiles, None)
+            self.conv.tiles[tuple(sorted((GRID, name), key=repr))] = tile_name
+            self.conv.env[s.loop_var] = Form.atom(name)
+            # t alone is over-approximated: tile - bx = t*G >= t*min_grid
+            child.variables.append(tile_name)
+            child.domain = child.domain + [f"0 <= {tile_name}{{s}} < {n_tiles}", f"{BLOCK}{{s}} <= {tile_name}{{s}}",
+                                           f"0 <= {name}{{s}}",
+                                           f"{self.min_grid}*{name}{{s}} <= {tile_name}{{s}} - {BLOCK}{{s}}"]
+            child.block, child.stage, child.in_tile = tile_name, stage, True
+            self.kernel.bounds[name] = (0, n_tiles - 1)
+            child.uniform_grid = False
+            self.kernel.loop_info[lid] = (tile_name, True)
+        else:
+            if free & {LANE, WARP_INDEX, "data"} or any(n.startswith("?") for n in free):
+                child.uniform_block = child.uniform_grid = False
+            if free & {BLOCK} or any(n.startswith("T") for n in free):
+                child.uniform_grid = False
+            self.conv.env[s.loop_var] = Form.atom(name)
+            try:
+                lo, ext = self.conv.form(s.min), self.conv.form(s.extent)
+                child.domain = child.domain + [f"{Converter.template(lo)} <= {name}{{s}} < "
+                                               f"{Converter.template(lo + ext)}"]
+                if lo.constant() is not None and ext.constant() is not None:
+                    self.kernel.bounds[name] = (lo.constant(), lo.constant() + ext.constant() - 1)
+            except NonAffine as why:
+                child.approximate = True
+                self.kernel.notes.append(f"loop {s.loop_var.name}: bounds not affine ({why}): any iteration")
+            self.kernel.loop_info[lid] = (name, False)
+        grid, block = self.stmt(s.body, child)
+        self.kernel.loop_body_surely[("grid", lid)] = grid
+        self.kernel.loop_body_surely[("block", lid)] = block
+        if tile is not None or not isinstance(s.extent, tirx.IntImm) or s.extent.value < 1:
+            return False, False
+        return grid, block
+
+    def persistent_extent(self, s: tirx.For) -> int | None:
+        """n_tiles where ``s`` is a stage's ``for t in range(ceildiv(n_tiles - blockIdx.x, G))``."""
+        free = _free(s.extent, self.conv.env)
+        if not ({BLOCK, GRID} <= free):
+            return None
+        found = []
+
+        def visit(x):
+            if isinstance(x, (tirx.Div, tirx.FloorDiv)) and isinstance(x.b, tirx.Var) and x.b.same_as(self.grid_var):
+                found.append(x.a)
+            for name in ("a", "b", "value", "body", "condition", "true_value", "false_value"):
+                if hasattr(x, name) and isinstance(getattr(x, name), tirx.Expr):
+                    visit(getattr(x, name))
+
+        visit(s.extent)
+        for numerator in found:
+            try:
+                f = self.conv.form(numerator)
+            except NonAffine:
+                continue
+            rest = f - Form.atom(GRID) + Form.atom(BLOCK)
+            if rest.constant() is not None and rest.constant() >= 0:
+                return rest.constant() + 1
+        self.kernel.errors.append(f"loop {s.loop_var.name}: its trip count {s.extent} depends on the block and the "
+                                  f"grid but is not a persistent tile loop the validator recognizes")
+        return None
+
+    def branch(self, s: tirx.IfThenElse, ctx: Context) -> tuple[bool, bool]:
+        bid = next(self.ids)
+        free = _free(s.condition, self.conv.env)
+        uniform_block = ctx.uniform_block and not (free & {LANE, WARP_INDEX, "data"}) and not any(
+            n.startswith("?") for n in free)
+        uniform_grid = ctx.uniform_grid and uniform_block and not (free & {BLOCK}) and not any(
+            n.startswith("T") for n in free)
+        self.reads(s.condition, ctx, s)
+        try:
+            cond = self.conv.condition(s.condition)
+            approximate = False
+        except NonAffine:
+            cond, approximate = None, True
+        for k, case in enumerate((s.then_case, s.else_case)):
+            if case is None:
+                continue
+            domain = ctx.domain if cond is None else ctx.domain + [cond if k == 0 else f"(not {cond})"]
+            self.stmt(case, ctx.child(path=ctx.path + (("i", bid, k),), domain=domain,
+                                      uniform_block=uniform_block, uniform_grid=uniform_grid,
+                                      approximate=ctx.approximate or approximate))
+        return False, False
+
+    def evaluate(self, s: tirx.Evaluate, ctx: Context) -> tuple[bool, bool]:
+        call = s.value
+        if isinstance(call, tvm.ir.Call):
+            op = call.op.name
+            if op == "tirx.cuda.grid_sync":
+                if not ctx.uniform_grid:
+                    self.kernel.errors.append(
+                        f"deadlock: a grid barrier {self.where(ctx)} under a condition or loop that depends on the "
+                        f"block, the thread or data: not every thread of the grid reaches it")
+                self.kernel.barriers.append(Barrier("grid", ctx.path))
+                return True, True
+            if op == "tirx.tvm_storage_sync":
+                scope = call.args[0].value
+                if scope == "warp":
+                    return False, False
+                if not ctx.uniform_block:
+                    self.kernel.errors.append(
+                        f"deadlock: a __syncthreads {self.where(ctx)} under a condition or loop that depends on the "
+                        f"thread or data: not every thread of the block reaches it")
+                self.kernel.barriers.append(Barrier("block", ctx.path))
+                return False, True
+        self.reads(call, ctx, s)
+        return False, False
+
+    def where(self, ctx: Context) -> str:
+        return "outside any stage" if ctx.stage is None else f"in stage {ctx.stage}"
+
+    def reads(self, e, ctx: Context, stmt):
+        """Record the loads of ``e``; an ``if_then_else`` loads only from the branch it takes."""
+        def visit(x, ctx):
+            if isinstance(x, TensorLoad):
+                for i in x.indices:
+                    visit(i, ctx)
+                self.access(x.source, x.indices, False, ctx, stmt)
+            elif isinstance(x, tvm.ir.Call):
+                if x.op.name == "tirx.address_of":
+                    return
+                if x.op.name in ("prim.if_then_else", "tirx.if_then_else"):
+                    condition, then, other = x.args
+                    visit(condition, ctx)
+                    try:
+                        cond = self.conv.condition(condition)
+                    except NonAffine:
+                        visit(then, ctx.child(approximate=True))
+                        visit(other, ctx.child(approximate=True))
+                        return
+                    visit(then, ctx.child(domain=ctx.domain + [cond]))
+                    visit(other, ctx.child(domain=ctx.domain + [f"(not {cond})"]))
+                    return
+                for a in x.args:
+                    visit(a, ctx)
+            elif isinstance(x, tirx.Let):
+                visit(x.value, ctx)
+                self.bind(x.var, x.value)
+                visit(x.body, ctx)
+            else:
+                for name in ("a", "b", "value", "condition", "true_value", "false_value", "base", "stride"):
+                    if hasattr(x, name) and isinstance(getattr(x, name), tirx.Expr):
+                        visit(getattr(x, name), ctx)
+
+        visit(e, ctx)
+
+    def access(self, buffer: tirx.Buffer, indices, write: bool, ctx: Context, stmt):
+        memory = self.memory(buffer)
+        if memory.scope.startswith("local") or memory.scope == "warp":
+            variables, domain = ctx.variables, ctx.domain
+            index = self.index(indices[0], ctx, buffer)
+            if index is not None:
+                index, variables, domain = index
+            self.kernel.accesses.append(Access(_stmt_text(stmt), buffer.name, memory, write, index, memory.elem_bytes,
+                                               variables, domain, ctx.path, ctx.block, ctx.stage, ctx.approximate))
+            return
+        found = self.index(indices[0], ctx, buffer)
+        index, variables, domain = found if found is not None else (None, ctx.variables, ctx.domain)
+        width = memory.elem_bytes if not isinstance(indices[0], tirx.Ramp) else buffer.dtype.bits // 8
+        self.kernel.accesses.append(Access(_stmt_text(stmt), buffer.name, memory, write, index, width, variables,
+                                           domain, ctx.path, ctx.block, ctx.stage, ctx.approximate))
+        if write and ctx.stage is not None:
+            tile, n, name = self.kernel.stages[ctx.stage]
+            if name is None and memory.scope == "global":
+                self.kernel.stages[ctx.stage] = (tile, n, buffer.name)
+
+    def index(self, e, ctx: Context, buffer):
+        try:
+            if isinstance(e, tirx.Ramp):
+                lane = f"l{next(self.ids)}"
+                self.kernel.bounds[lane] = (0, e.lanes - 1)
+                form = self.conv.form(e.base) + _times(self.conv.form(e.stride), Form.atom(lane), {})
+                return form, ctx.variables + [lane], ctx.domain + [f"0 <= {lane}{{s}} < {e.lanes}"]
+            form = self.conv.form(e)
+            form.render()
+            return form, ctx.variables, ctx.domain
+        except NonAffine as why:
+            self.kernel.notes.append(f"{buffer.name}: index {e} not affine ({why}): any element")
+            return None
+
+
+@dataclass
+class Context:
+    variables: list
+    domain: list
+    path: tuple
+    block: str
+    stage: int | None
+    uniform_block: bool
+    uniform_grid: bool
+    approximate: bool
+    in_tile: bool
+
+    def child(self, **changes) -> Context:
+        fields_ = dict(self.__dict__)
+        fields_.update(changes)
+        fields_["variables"] = list(fields_["variables"])
+        return Context(**fields_)
+
+
+def _extent(buffer: tirx.Buffer) -> int | None:
+    n = 1
+    for d in buffer.shape:
+        if not isinstance(d, tirx.IntImm):
+            return None
+        n *= d.value
+    return n
+
+
+def _stmt_text(stmt) -> str:
+    """A short text of the statement an access is in, for messages."""
+    if isinstance(stmt, tirx.BufferStore):
+        text = f"{stmt.buffer.name}[{stmt.indices[0]}] = {stmt.value}"
+    elif isinstance(stmt, tirx.IfThenElse):
+        text = f"if {stmt.condition}"
+    else:
+        text = str(stmt).strip()
+    text = " ".join(text.split())
+    return text if len(text) <= 140 else text[:137] + "..."
+
+
+# -- the checks --------------------------------------------------------------------------------
+def _set(params: list, variables_and_domains: list, extra: list | None = None) -> str:
+    """The isl text of the set of the variables' values that meet the domains and ``extra``."""
+    names, constraints = [], []
+    for variables, domain, suffix in variables_and_domains:
+        names += [v + suffix for v in variables]
+        constraints += [c.format(s=suffix) for c in domain]
+    constraints += extra or []
+    return f"[{', '.join(params)}] -> {{ [{', '.join(names)}] : {' and '.join(constraints) or '0 = 0'} }}"
+
+
+_EMPTY: dict = {}  # canonical isl text -> whether the set is empty (stages repeat: layers, experts)
+
+
+def _is_empty(text: str) -> bool:
+    """Whether the set ``text`` is empty, its variables renamed by position so that the same
+    question about another copy of a stage is answered once."""
+    head, _, body = text.partition("] : ")
+    names = head[head.rindex("[") + 1:].split(", ") if "[" in head else []
+    rename = {name: f"v{k}" for k, name in enumerate(names) if name}
+    if rename:
+        pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(rename, key=len, reverse=True))) + r")\b")
+        canonical = pattern.sub(lambda m: rename[m.group(1)], text)
+    else:
+        canonical = text
+    if canonical not in _EMPTY:
+        if len(_EMPTY) > 100_000:
+            _EMPTY.clear()
+        _EMPTY[canonical] = isl.Set(canonical).is_empty()
+    return _EMPTY[canonical]
+
+
+def _point(found: str | isl.Set) -> dict:
+    """A point of the set ``found`` (isl text or a set): its parameters' and variables' values."""
+    s = isl.Set(found) if isinstance(found, str) else found
+    point = s.sample_point()
+    space = s.get_space()
+    values = {space.get_dim_name(isl.dim_type.param, k): point.get_coordinate_val(isl.dim_type.param, k).to_python()
+              for k in range(space.dim(isl.dim_type.param))}
+    for k in range(space.dim(isl.dim_type.set)):
+        values[space.get_dim_name(isl.dim_type.set, k)] = point.get_coordinate_val(isl.dim_type.set, k).to_python()
+    return values
+
+
+def _address(a: Access, suffix: str) -> str:
+    return f"({a.memory.offset.render(suffix)} + {a.memory.elem_bytes}*{a.index.render(suffix)})"
+
+
+def _interval(a: Access, bounds: dict) -> tuple[float, float]:
+    """Bytes an access may touch, by interval arithmetic (a cheap filter before isl)."""
+    if a.index is None or a.memory.offset is None:
+        return float("-inf"), float("inf")
+    if a.block != BLOCK:  # in a tile loop, blockIdx.x <= tile
+        bounds = {**bounds, BLOCK: bounds[a.block]}
+    lo, hi = _range(a.memory.offset + a.index.scale(a.memory.elem_bytes), bounds)
+    return lo, hi + a.width - 1
+
+
+def _range(form: Form, bounds: dict) -> tuple[float, float]:
+    unknown = (float("-inf"), float("inf"))
+    lo = hi = 0
+    for k, v in form.terms.items():
+        if not k:
+            lo, hi = lo + v, hi + v
+            continue
+        if len(k) > 1:
+            return unknown
+        atom = k[0]
+        if isinstance(atom, Modulo):
+            b = (0, atom.divisor - 1)
+        elif isinstance(atom, Floor):
+            inner = _range(Form(dict(atom.form)), bounds)
+            b = (inner[0] // atom.divisor, inner[1] // atom.divisor)
+        else:
+            b = bounds.get(atom, unknown)
+        lo, hi = lo + min(v * b[0], v * b[1]), hi + max(v * b[0], v * b[1])
+    return lo, hi
+
+
+class Checker:
+    def __init__(self, kernel: Kernel, warps: int):
+        self.kernel = kernel
+        self.warps = warps
+        self.violations: list[str] = []
+
+    def describe(self, a: Access, point: dict, suffix: str) -> str:
+        block = point.get(a.block + suffix)
+        who = f"tile {block}" if a.block != BLOCK else f"block {block}"
+        return f"thread ({point.get(LANE + suffix)},{point.get(WARP_INDEX + suffix)}) of {who}"
+
+    def element(self, a: Access, point: dict, suffix: str) -> str:
+        if a.index is None:
+            return "?"
+        try:
+            values = {k.removesuffix(suffix): v for k, v in point.items() if k.endswith(suffix) or _is_parameter(k)}
+            return str(_evaluate(a.index, values))
+        except (KeyError, TypeError):
+            return "?"
+
+    def stage_name(self, stage) -> str:
+        if stage is None:
+            return "outside the stages' tile loops"
+        _, _, name = self.kernel.stages[stage]
+        return f"stage {stage}" + (f" (writes {name})" if name else "")
+
+    def bounds(self):
+        for a in self.kernel.accesses:
+            if a.index is None:
+                continue
+            index = a.index.render("_a")
+            outside = []
+            if a.memory.extent is not None:
+                outside.append((f"({index} < 0 or {index} >= {a.memory.extent})", f"its {a.memory.extent} elements"))
+            if a.memory.root_bytes is not None and a.memory.offset is not None:
+                address = _address(a, "_a")
+                outside.append((f"({address} < 0 or {address} + {a.width} > {a.memory.root_bytes})",
+                                f"the {a.memory.root_bytes} bytes of its allocation"))
+            for condition, what in outside:
+                found = _set(self.kernel.params, [(a.variables, a.domain, "_a")], [condition])
+                if _is_empty(found):
+                    continue
+                p = _point(found)
+                self.violations.append(
+                    f"{self.stage_name(a.stage)}: {self.describe(a, p, '_a')} "
+                    f"{'writes' if a.write else 'reads'} {a.memory.scope} {a.buffer}[{self.element(a, p, '_a')}], "
+                    f"outside {what} (grid size {p[GRID]}): {a.stmt}")
+                break
+
+    def coverage(self):
+        by_stage: dict = {}
+        for a in self.kernel.accesses:
+            if a.write and a.stage is not None and a.memory.scope == "global":
+                by_stage.setdefault((a.stage, a.buffer), []).append(a)
+        for (stage, buffer), writes in by_stage.items():
+            where = f"{self.stage_name(stage)}: {buffer}"
+            if any(w.index is None or w.approximate for w in writes):
+                self.violations.append(f"{where}: coverage cannot be proved (an index or condition is not affine)")
+                continue
+            tile = self.kernel.stages[stage][0]
+            extent = writes[0].memory.extent
+            parts = []
+            for w in writes:
+                others = [v + "_a" for v in w.variables if v not in (tile, LANE, WARP_INDEX)]
+                domain = " and ".join(c.format(s="_a") for c in w.domain)
+                exists = f"exists ({', '.join(others)} : {domain} and e = {w.index.render('_a')})" if others else \
+                    f"{domain} and e = {w.index.render('_a')}"
+                parts.append(f"[{tile}_a, {LANE}_a, {WARP_INDEX}_a] -> [e] : {exists}")
+            written = isl.Map(f"[{', '.join(self.kernel.params)}] -> {{ {'; '.join(parts)} }}")
+            if extent is not None:
+                universe = " and ".join([f"0 <= e < {extent}", self.kernel.grid_domain, *self.kernel.parameter_domain])
+                missing = isl.Set(f"[{', '.join(self.kernel.params)}] -> {{ [e] : {universe} }}").subtract(
+                    written.range())
+                if not missing.is_empty():
+                    p = _point(missing)
+                    self.violations.append(f"{where}: element {p['e']} of {extent} is never written "
+                                           f"(grid size {p[GRID]})")
+                    continue
+            if not written.reverse().is_single_valued():
+                owners = written.reverse()
+                twice = owners.apply_range(owners.reverse()).subtract(isl.Map.identity(owners.get_space().range()
+                                                                                       .map_from_set().get_space()))
+                p = _point(twice.domain())
+                self.violations.append(f"{where}: an element is written by more than one thread: {p} "
+                                       f"(each element must have exactly one writer)")
+
+    def races(self):
+        bounds = self.variable_bounds()
+        groups: dict = {}
+        for a in self.kernel.accesses:
+            if a.memory.scope.startswith("local") or a.memory.scope == "warp":
+                continue
+            groups.setdefault(a.memory.root, []).append(a)
+        for accesses in groups.values():
+            if not any(a.write for a in accesses):
+                continue
+            spans = [_interval(a, bounds) for a in accesses]
+            reported = set()
+            for i, a in enumerate(accesses):
+                for j, b in enumerate(accesses):
+                    if not (a.write or b.write):
+                        continue
+                    if spans[i][1] < spans[j][0] or spans[j][1] < spans[i][0]:
+                        continue
+                    key = (a.stmt, b.stmt, a.buffer, b.buffer)
+                    if key in reported or self.same_thread_only(a, b):
+                        continue
+                    message = self.pair(a, b, i <= j)
+                    if message:
+                        reported.add(key)
+                        self.violations.append(message)
+
+    def same_thread_only(self, a: Access, b: Access) -> bool:
+        """Whether ``a`` and ``b`` reach the same bytes only from the same thread of the same
+        tile: one address function of (tile, threadIdx.y, threadIdx.x) alone, injective (mixed
+        radix), with the tile in it for global memory (else other blocks reach it too)."""
+        if a.index is None or b.index is None or a.memory.offset is None or b.memory.offset is None \
+                or a.width != b.width or a.memory.elem_bytes != b.memory.elem_bytes:
+            return False
+        forms = []
+        for x in (a, b):
+            form = x.memory.offset + x.index.scale(x.memory.elem_bytes)
+            forms.append({tuple("T*" if atom == x.block else atom for atom in k): v for k, v in form.terms.items()})
+        if forms[0] != forms[1]:
+            return False
+        ranges = {LANE: WARP, WARP_INDEX: self.warps, "T*": None}
+        terms = sorted(((abs(v), k[0]) for k, v in forms[0].items() if k), key=lambda t: t[0])
+        if any(len(k) != 1 or k[0] not in ranges for k in forms[0] if k):
+            return False
+        if a.memory.scope == "global" and "T*" not in [name for _, name in terms]:
+            return False
+        if a.block == BLOCK or b.block == BLOCK:
+            return False
+        reach = a.width - 1
+        for coefficient, name in terms:
+            if coefficient <= reach:
+                return False
+            reach += coefficient * ((ranges[name] or 1) - 1)
+            if ranges[name] is None and name != terms[-1][1]:
+                return False
+        return True
+
+    def variable_bounds(self) -> dict:
+        bounds = {LANE: (0, WARP - 1), WARP_INDEX: (0, self.warps - 1), BLOCK: (0, float("inf")),
+                  **self.kernel.bounds}
+        for tile, n, _ in self.kernel.stages.values():
+            bounds[tile] = (0, n - 1)
+        return bounds
+
+    def pair(self, a: Access, b: Access, same_order: bool) -> str | None:
+        """A race between ``a`` (first in program order) and ``b``, or None."""
+        shared = a.memory.scope.startswith("shared")
+        checks = [("block", "same block")] if shared else [("block", "same block"), ("grid", "different blocks")]
+        for kind, relation in checks:
+            for case, extra in self.unseparated(a, b, kind, same_order):
+                constraints = list(extra)
+                threads = f"({LANE}_a != {LANE}_b or {WARP_INDEX}_a != {WARP_INDEX}_b)"
+                if shared:
+                    constraints.append(threads)
+                elif kind == "block":
+                    constraints += [f"{a.block}_a = {b.block}_b", threads]
+                else:
+                    constraints.append(f"{a.block}_a != {b.block}_b")
+                if a.index is not None and b.index is not None and a.memory.offset is not None \
+                        and b.memory.offset is not None:
+                    x, y = _address(a, "_a"), _address(b, "_b")
+                    constraints += [f"{x} <= {y} + {b.width - 1}", f"{y} <= {x} + {a.width - 1}"]
+                conflict = _set(self.kernel.params, [(a.variables, a.domain, "_a"), (b.variables, b.domain, "_b")], constraints)
+                if _is_empty(conflict):
+                    continue
+                p = _point(conflict)
+                approximate = " (over-approximated: an index or condition is not affine)" if (
+                    a.index is None or b.index is None or a.approximate or b.approximate) else ""
+                verb = "both write" if a.write and b.write else "write and read"
+                barrier = "__syncthreads" if kind == "block" else "grid barrier"
+                return (f"{self.stage_name(a.stage)}: {self.describe(a, p, '_a')} and {self.describe(b, p, '_b')} "
+                        f"({relation}, grid size {p[GRID]}) {verb} {a.memory.scope} {a.buffer}"
+                        f"[{self.element(a, p, '_a')}] / {b.buffer}[{self.element(b, p, '_b')}] with no {barrier} "
+                        f"between them ({case}){approximate}: {a.stmt} | {b.stmt}")
+        return None
+
+    def unseparated(self, a: Access, b: Access, kind: str, same_order: bool):
+        """(description, isl constraints) of each way ``a`` then ``b`` can run with no barrier of
+        ``kind`` between them; ``same_order``: count the pair where neither comes first."""
+        pa, pb = a.path, b.path
+        k = 0
+        while k < len(pa) and k < len(pb) and pa[k] == pb[k]:
+            k += 1
+        common = [(n, step[1]) for n, step in enumerate(pa[:k]) if step[0] == "l"]
+        equal = [f"{self.kernel.loop_info[lid][0]}_a = {self.kernel.loop_info[lid][0]}_b" for _, lid in common]
+        # the same iterations of every common loop
+        if k < len(pa) and k < len(pb):
+            (ka, sa, ia), (kb, sb, ib) = pa[k], pb[k]
+            if ka == "s" and ia < ib:
+                between = any(self.kernel.surely[(kind, sa)][ia + 1:ib])
+                if not (between or self.after(pa, k + 1, kind) or self.before(pb, k + 1, kind)):
+                    yield "in the same iterations", equal
+            elif ka == "i" and ia != ib and same_order:  # two branches of one condition run side by side
+                if not (self.after(pa, k + 1, kind) or self.before(pb, k + 1, kind)):
+                    yield "in the two branches of one condition", equal
+        elif len(pa) == k and (len(pb) > k or same_order):  # a's statement holds b (a condition) or is b's
+            if not self.before(pb, k, kind):
+                yield "in the same statement", equal
+        # a in an earlier iteration of a common loop
+        for n, (position, lid) in enumerate(common):
+            name, is_tile = self.kernel.loop_info[lid]
+            if self.after(pa, position + 1, kind) or self.before(pb, position + 1, kind):
+                continue
+            extra = equal[:n] + [f"{name}_a < {name}_b"]
+            if not is_tile and self.kernel.loop_body_surely[(kind, lid)]:
+                extra.append(f"{name}_b = {name}_a + 1")
+                yield f"in consecutive iterations of loop {name}", extra
+            else:
+                yield f"in different iterations of loop {name}", extra
+
+    def after(self, path, start: int, kind: str) -> bool:
+        """Whether a barrier of ``kind`` surely runs after the point ``path`` within its level ``start``."""
+        return any(any(self.kernel.surely[(kind, step[1])][step[2] + 1:]) for step in path[start:] if step[0] == "s")
+
+    def before(self, path, start: int, kind: str) -> bool:
+        return any(any(self.kernel.surely[(kind, step[1])][:step[2]]) for step in path[start:] if step[0] == "s")
+
+
+def _evaluate(form: Form, values: dict) -> int:
+    total = 0
+    for k, v in form.terms.items():
+        term = v
+        for atom in k:
+            if isinstance(atom, Floor):
+                term *= _evaluate(Form(dict(atom.form)), values) // atom.divisor
+            elif isinstance(atom, Modulo):
+                term *= _evaluate(Form(dict(atom.form)), values) % atom.divisor
+            else:
+                term *= values[atom]
+        total += term
+    return total
+
+
+@dataclass(frozen=True)
+class Validation:
+    """What the validator found in one kernel: violations (an error unless empty) and notes
+    (where it over-approximated)."""
+
+    kernel: str
+    violations: tuple
+    notes: tuple
+
+
+def validate_kernel(func: tirx.PrimFunc, threads: int, name: str = "kernel", counters: dict | None = None,
+                    min_grid: int = 1) -> Validation:
+    """``func`` checked as a persistent kernel of ``threads``-thread blocks, for every grid size
+    from ``min_grid`` (more where on-chip weights assume it); ``counters`` are the ranges (trip
+    counts) of its scalar arguments, the host loops' counters."""
+    walker = Walker(func, threads // WARP, name, counters or {}, min_grid)
+    kernel = walker.run()
+    checker = Checker(kernel, threads // WARP)
+    checker.violations += kernel.errors
+    if not kernel.errors:
+        checker.bounds()
+        checker.coverage()
+        checker.races()
+    return Validation(name, tuple(checker.violations), tuple(dict.fromkeys(kernel.notes)))
+
+
+def validate_kernels(functions: dict[str, tirx.PrimFunc], threads: int, counters: dict | None = None,
+                     min_grids: dict | None = None) -> list[Validation]:
+    """Every device function validated (``min_grids``: each kernel's smallest grid, by name);
+    a ``ValidationError`` naming the violations if any."""
+    results = [validate_kernel(func, threads, name, counters, (min_grids or {}).get(name, 1))
+               for name, func in functions.items()]
+    failed = [r for r in results if r.violations]
+    if failed:
+        lines = [f"kernel {r.kernel}: {v}" for r in failed for v in r.violations[:5]]
+        more = sum(len(r.violations) for r in failed) - len(lines)
+        raise ValidationError("the CUDA kernel is not thread-safe:\n  " + "\n  ".join(lines)
+                              + (f"\n  ... and {more} more" if more > 0 else ""))
+    return results
