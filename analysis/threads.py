@@ -912,12 +912,12 @@ class Checker:
                                            f"(grid size {p[GRID]})")
                     continue
             if not written.reverse().is_single_valued():
-                owners = written.reverse()
-                twice = owners.apply_range(owners.reverse()).subtract(isl.Map.identity(owners.get_space().range()
-                                                                                       .map_from_set().get_space()))
-                p = _point(twice.domain())
-                self.violations.append(f"{where}: an element is written by more than one thread: {p} "
-                                       f"(each element must have exactly one writer)")
+                same = written.apply_range(written.reverse())  # (tile, tx, ty) -> another writing the same element
+                twice = same.subtract(isl.Map.identity(same.get_space())).wrap()
+                point = twice.sample_point()
+                t1, x1, y1, t2, x2, y2 = (point.get_coordinate_val(isl.dim_type.set, k).to_python() for k in range(6))
+                self.violations.append(f"{where}: threads ({x1},{y1}) of tile {t1} and ({x2},{y2}) of tile {t2} both "
+                                       f"write one element (each element must have exactly one writer)")
 
     def races(self):
         bounds = self.variable_bounds()
