@@ -55,18 +55,21 @@ WARP_INDEX = "ty"
 THREAD_TAGS = {"threadIdx.x": LANE, "threadIdx.y": WARP_INDEX}
 
 
-def device_functions(funcs: dict, target: tvm.target.Target, config: dict) -> dict[str, tirx.PrimFunc]:
-    """The device PrimFuncs ``tvm.compile(IRModule(funcs), target)`` hands to the CUDA code
+def lower_for_device(funcs: dict, target: tvm.target.Target, config: dict) -> tvm.IRModule:
+    """The device IRModule ``tvm.compile(IRModule(funcs), target)`` hands to the CUDA code
     generator under ``PassContext(config=config)``: TVM's own pipeline, run to that point."""
     with tvm.transform.PassContext(config=config):
         mod = tvm.tirx.transform.BindTarget(target.with_host(tvm.target.Target("llvm")))(tvm.IRModule(funcs))
         pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
         _, devices = split_host_device_mods(pipeline(mod))
-        functions = {}
-        for device_mod in devices.values():
-            for gvar, func in finalize_device()(device_mod).functions.items():
-                functions[gvar.name_hint] = func
-    return functions
+        if len(devices) != 1:
+            raise ValidationError(f"the kernels lower to {len(devices)} device modules, not one")
+        return finalize_device()(next(iter(devices.values())))
+
+
+def device_functions(module: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
+    """The kernels of a lowered device module, by name."""
+    return {gvar.name_hint: func for gvar, func in module.functions.items()}
 
 
 # -- quasi-affine forms ------------------------------------------------------------------------
@@ -332,7 +335,7 @@ class Memory:
 
 @dataclass
 class Access:
-    stmt: str  # the statement, for messages
+    statement: object  # the TIR statement, printed for messages
     buffer: str
     memory: Memory
     write: bool
@@ -344,6 +347,10 @@ class Access:
     block: str  # the variable telling blocks apart: a tile or blockIdx.x
     stage: int | None
     approximate: bool
+
+    @property
+    def stmt(self) -> str:
+        return _stmt_text(self.statement)
 
 
 @dataclass
@@ -686,13 +693,13 @@ class Walker:
             index = self.index(indices[0], ctx, buffer)
             if index is not None:
                 index, variables, domain = index
-            self.kernel.accesses.append(Access(_stmt_text(stmt), buffer.name, memory, write, index, memory.elem_bytes,
+            self.kernel.accesses.append(Access(stmt, buffer.name, memory, write, index, memory.elem_bytes,
                                                variables, domain, ctx.path, ctx.block, ctx.stage, ctx.approximate))
             return
         found = self.index(indices[0], ctx, buffer)
         index, variables, domain = found if found is not None else (None, ctx.variables, ctx.domain)
         width = memory.elem_bytes if not isinstance(indices[0], tirx.Ramp) else buffer.dtype.bits // 8
-        self.kernel.accesses.append(Access(_stmt_text(stmt), buffer.name, memory, write, index, width, variables,
+        self.kernel.accesses.append(Access(stmt, buffer.name, memory, write, index, width, variables,
                                            domain, ctx.path, ctx.block, ctx.stage, ctx.approximate))
         if write and ctx.stage is not None:
             tile, n, name = self.kernel.stages[ctx.stage]
@@ -860,14 +867,21 @@ class Checker:
         return f"stage {stage}" + (f" (writes {name})" if name else "")
 
     def bounds(self):
+        """Every affine index inside its view and its allocation (interval arithmetic first, isl
+        where that cannot tell)."""
+        variable_bounds = self.variable_bounds()
         for a in self.kernel.accesses:
             if a.index is None:
                 continue
             index = a.index.render("_a")
             outside = []
-            if a.memory.extent is not None:
+            known = {**variable_bounds, BLOCK: variable_bounds[a.block]} if a.block != BLOCK else variable_bounds
+            low, high = _range(a.index, known)
+            if a.memory.extent is not None and not (0 <= low and high < a.memory.extent):
                 outside.append((f"({index} < 0 or {index} >= {a.memory.extent})", f"its {a.memory.extent} elements"))
-            if a.memory.root_bytes is not None and a.memory.offset is not None:
+            low, high = _interval(a, variable_bounds)
+            if a.memory.offset is not None and a.memory.root_bytes is not None and not (
+                    0 <= low and high < a.memory.root_bytes):
                 address = _address(a, "_a")
                 outside.append((f"({address} < 0 or {address} + {a.width} > {a.memory.root_bytes})",
                                 f"the {a.memory.root_bytes} bytes of its allocation"))
@@ -937,7 +951,7 @@ class Checker:
                         continue
                     if spans[i][1] < spans[j][0] or spans[j][1] < spans[i][0]:
                         continue
-                    key = (a.stmt, b.stmt, a.buffer, b.buffer)
+                    key = (id(a.statement), id(b.statement), a.buffer, b.buffer)
                     if key in reported or self.same_thread_only(a, b):
                         continue
                     message = self.pair(a, b, i <= j)
@@ -983,35 +997,45 @@ class Checker:
         return bounds
 
     def pair(self, a: Access, b: Access, same_order: bool) -> str | None:
-        """A race between ``a`` (first in program order) and ``b``, or None."""
+        """A race between ``a`` (first in program order) and ``b``, or None. One isl question
+        for every way they may meet; only when it has an answer, one per way for the message."""
         shared = a.memory.scope.startswith("shared")
         checks = [("block", "same block")] if shared else [("block", "same block"), ("grid", "different blocks")]
+        threads = f"({LANE}_a != {LANE}_b or {WARP_INDEX}_a != {WARP_INDEX}_b)"
+        ways = []
         for kind, relation in checks:
             for case, extra in self.unseparated(a, b, kind, same_order):
                 constraints = list(extra)
-                threads = f"({LANE}_a != {LANE}_b or {WARP_INDEX}_a != {WARP_INDEX}_b)"
                 if shared:
                     constraints.append(threads)
                 elif kind == "block":
                     constraints += [f"{a.block}_a = {b.block}_b", threads]
                 else:
                     constraints.append(f"{a.block}_a != {b.block}_b")
-                if a.index is not None and b.index is not None and a.memory.offset is not None \
-                        and b.memory.offset is not None:
-                    x, y = _address(a, "_a"), _address(b, "_b")
-                    constraints += [f"{x} <= {y} + {b.width - 1}", f"{y} <= {x} + {a.width - 1}"]
-                conflict = _set(self.kernel.params, [(a.variables, a.domain, "_a"), (b.variables, b.domain, "_b")], constraints)
-                if _is_empty(conflict):
-                    continue
-                p = _point(conflict)
-                approximate = " (over-approximated: an index or condition is not affine)" if (
-                    a.index is None or b.index is None or a.approximate or b.approximate) else ""
-                verb = "both write" if a.write and b.write else "write and read"
-                barrier = "__syncthreads" if kind == "block" else "grid barrier"
-                return (f"{self.stage_name(a.stage)}: {self.describe(a, p, '_a')} and {self.describe(b, p, '_b')} "
-                        f"({relation}, grid size {p[GRID]}) {verb} {a.memory.scope} {a.buffer}"
-                        f"[{self.element(a, p, '_a')}] / {b.buffer}[{self.element(b, p, '_b')}] with no {barrier} "
-                        f"between them ({case}){approximate}: {a.stmt} | {b.stmt}")
+                ways.append((kind, relation, case, constraints))
+        if not ways:
+            return None
+        common = []
+        if a.index is not None and b.index is not None and a.memory.offset is not None and b.memory.offset is not None:
+            x, y = _address(a, "_a"), _address(b, "_b")
+            common = [f"{x} <= {y} + {b.width - 1}", f"{y} <= {x} + {a.width - 1}"]
+        domains = [(a.variables, a.domain, "_a"), (b.variables, b.domain, "_b")]
+        alternatives = " or ".join("(" + " and ".join(c or ["0 = 0"]) + ")" for *_, c in ways)
+        if _is_empty(_set(self.kernel.params, domains, common + [f"({alternatives})"])):
+            return None
+        for kind, relation, case, constraints in ways:
+            conflict = _set(self.kernel.params, domains, common + constraints)
+            if _is_empty(conflict):
+                continue
+            p = _point(conflict)
+            approximate = " (over-approximated: an index or condition is not affine)" if (
+                a.index is None or b.index is None or a.approximate or b.approximate) else ""
+            verb = "both write" if a.write and b.write else "write and read"
+            barrier = "__syncthreads" if kind == "block" else "grid barrier"
+            return (f"{self.stage_name(a.stage)}: {self.describe(a, p, '_a')} and {self.describe(b, p, '_b')} "
+                    f"({relation}, grid size {p[GRID]}) {verb} {a.memory.scope} {a.buffer}"
+                    f"[{self.element(a, p, '_a')}] / {b.buffer}[{self.element(b, p, '_b')}] with no {barrier} "
+                    f"between them ({case}){approximate}: {a.stmt} | {b.stmt}")
         return None
 
     def unseparated(self, a: Access, b: Access, kind: str, same_order: bool):

@@ -23,6 +23,7 @@ import tvm
 from tvm import tirx
 
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
+from analysis.threads import lower_for_device
 from codegen.schedule import WARP
 from codegen.staged import Loop, StagedProgram, loops_in, stages_in
 from codegen.stitch import seq
@@ -185,17 +186,23 @@ def cuda_target(arch: str) -> tvm.target.Target:
     return tvm.target.Target({"kind": "cuda", "arch": arch})
 
 
-def cuda_source(funcs: tirx.PrimFunc | dict, arch: str) -> str:
-    """TVM's CUDA code for the kernel (no GPU needed: TVM emits source, nvcc compiles it later).
+def device_module(funcs: tirx.PrimFunc | dict, arch: str) -> tvm.IRModule:
+    """The kernels as TVM's CUDA pipeline hands them to its code generator (no GPU needed).
 
     ``tirx.merge_static_smem`` makes TVM pool the stages' shared-memory buffers by liveness
     (the kernel needs the most any stage needs, not the sum); its TVM 0.27 implementation
     fails on a block-wide all-reduce, which is why reductions stay within a warp.
     """
     funcs = funcs if isinstance(funcs, dict) else {"main": funcs}
+    return lower_for_device(funcs, cuda_target(arch), PASS_CONFIG)
+
+
+def cuda_source(funcs: tirx.PrimFunc | dict | tvm.IRModule, arch: str) -> str:
+    """TVM's CUDA code for the kernels (or for an already lowered ``device_module``): what
+    ``tvm.compile`` prints, from the very module the thread-level validator reads."""
+    device = funcs if isinstance(funcs, tvm.IRModule) else device_module(funcs, arch)
     with tvm.transform.PassContext(config=PASS_CONFIG):
-        executable = tvm.compile(tvm.IRModule(funcs), target=cuda_target(arch))
-    return executable.mod.imports[0].inspect_source()
+        return tvm.get_global_func("target.build.cuda")(device, cuda_target(arch)).inspect_source()
 
 
 def kernel_count(source: str) -> int:
@@ -219,10 +226,11 @@ def argument_order(source: str, staged: StagedProgram, kernel: str = KERNEL_NAME
 # -- the built kernels -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CudaSource:
-    """The kernel plan's CUDA source, as TVM emits it."""
+    """The kernel plan's CUDA source, as TVM emits it, and the lowered kernels it is printed from."""
 
     plan: KernelPlan
     text: str
+    device: tvm.IRModule | None = field(default=None, compare=False)
 
     def __str__(self):
         return self.text

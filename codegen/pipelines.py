@@ -24,8 +24,8 @@ from analysis.threads import device_functions, validate_kernels
 from codegen.arena import plan_arena
 from codegen.barriers import place_barriers
 from codegen.cpu_transforms import hoist_scan_projections, pack_weights
-from codegen.cuda import (PASS_CONFIG, CudaSource, HostLoop, build_emulated, check_co_residency, cuda_compile, cuda_source,
-                          cuda_target, kernel_plan)
+from codegen.cuda import (CudaSource, HostLoop, build_emulated, check_co_residency, cuda_compile, cuda_source,
+                          device_module, kernel_plan)
 from codegen.epilogues import fuse_epilogues
 from codegen.horizontal import horizontal
 from codegen.llvm import CpuModule, build, persistent_cpu_function
@@ -88,6 +88,11 @@ SYNCHRONIZATION = (
     Pass("plan_arena", lambda staged, _: plan_arena(staged), STAGED),
 )
 
+def _source(plan, arch: str) -> CudaSource:
+    device = device_module(plan.funcs, arch)
+    return CudaSource(plan, cuda_source(device, arch), device)
+
+
 def validate_threads(source: CudaSource, options) -> Outcome:
     """Every kernel of ``source``, as TVM lowers it for the CUDA code generator, checked by
     ``analysis.threads`` (races, coverage, deadlock, launch fit): a ``ValidationError`` if one
@@ -105,8 +110,7 @@ def validate_threads(source: CudaSource, options) -> Outcome:
 
     host_loops(plan.launches)
     min_grids = {f"{launch.kernel}_kernel": launch.min_grid for launch in plan.kernel_launches()}
-    functions = device_functions(plan.funcs, cuda_target(options.device.arch), PASS_CONFIG)
-    results = validate_kernels(functions, plan.staged.threads, counters, min_grids)
+    results = validate_kernels(device_functions(source.device), plan.staged.threads, counters, min_grids)
     return Outcome(source, [f"{r.kernel}: {note}" for r in results for note in r.notes]
                    + [f"{len(results)} kernels validated"])
 
@@ -117,7 +121,7 @@ CUDA = Pipeline("cuda", GRAPH, (
     Pass("stage", lambda program, o: stage_program(program, True, o.threads), STAGED),
     *SYNCHRONIZATION,
     Pass("kernel_plan", lambda staged, _: kernel_plan(staged), TIR),
-    Pass("cuda_source", lambda plan, o: CudaSource(plan, cuda_source(plan.funcs, o.device.arch)), CUDA_SOURCE),
+    Pass("cuda_source", lambda plan, o: _source(plan, o.device.arch), CUDA_SOURCE),
     Pass("validate_threads", validate_threads, CUDA_SOURCE),
     Pass("nvcc", lambda source, o: cuda_compile(source, o.device.arch), PTXAS),
     Pass("co_residency", lambda binary, o: check_co_residency(binary, o.device), KERNELS),

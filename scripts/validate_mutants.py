@@ -44,7 +44,7 @@ from tvm.ir.expr import TensorLoad  # noqa: E402
 
 from analysis.threads import device_functions, validate_kernel  # noqa: E402
 from benchmarks import common  # noqa: E402
-from codegen.cuda import PASS_CONFIG, HostLoop, cuda_target  # noqa: E402
+from codegen.cuda import HostLoop, device_module  # noqa: E402
 from souffle import models  # noqa: E402
 from souffle.compiler import run_passes  # noqa: E402
 
@@ -78,7 +78,7 @@ def kernels(model: str, level: int, config: str = "tiny") -> list[Kernel]:
 
     host_loops(plan.launches)
     min_grids = {f"{launch.kernel}_kernel": launch.min_grid for launch in plan.kernel_launches()}
-    functions = device_functions(plan.funcs, cuda_target("sm_90"), PASS_CONFIG)
+    functions = device_functions(device_module(plan.funcs, "sm_90"))
     return [Kernel(f"{model} O{level}", name, func, counters, min_grids.get(name, 1), plan.staged.threads)
             for name, func in functions.items()]
 
