@@ -279,6 +279,14 @@ def mentions_any(s, var) -> bool:
 
 
 # -- the independent judge: a concrete run of the index arithmetic ---------------------------------
+BINARY = {tirx.Add: np.add, tirx.Sub: np.subtract, tirx.Mul: np.multiply, tirx.FloorDiv: np.floor_divide,
+          tirx.FloorMod: np.mod, tirx.Min: np.minimum, tirx.Max: np.maximum, tirx.LT: np.less, tirx.LE: np.less_equal,
+          tirx.GT: np.greater, tirx.GE: np.greater_equal, tirx.EQ: np.equal, tirx.NE: np.not_equal,
+          tirx.And: np.logical_and, tirx.Or: np.logical_or, tirx.RShift: np.right_shift,
+          tirx.BitwiseAnd: np.bitwise_and, tirx.LShift: np.left_shift,
+          tirx.Div: lambda a, b: np.trunc(np.divide(a, b)).astype(np.int64), tirx.Mod: np.fmod}
+
+
 class DataDependent(Exception):
     """An integer that depends on data the concrete run does not compute."""
 
@@ -313,38 +321,32 @@ class Concrete:
 
     # integers
     def ev(self, e):
-        if isinstance(e, tirx.IntImm):
+        kind = type(e)
+        op = BINARY.get(kind)
+        if op is not None:
+            return op(self.ev(e.a), self.ev(e.b))
+        if kind is tirx.IntImm:
             return np.int64(e.value)
-        if isinstance(e, tirx.Var):
+        if kind is tirx.Var:
             if e in self.env:
                 return self.env[e]
             raise DataDependent(e.name)
-        if isinstance(e, tirx.Cast):
+        if kind is tirx.Cast:
             return self.ev(e.value)
-        if isinstance(e, TensorLoad):
+        if kind is TensorLoad:
             raise DataDependent("a load")
-        if isinstance(e, tirx.Let):
+        if kind is tirx.Let:
             self.env[e.var] = self.ev(e.value)
             return self.ev(e.body)
-        if isinstance(e, tirx.Select):
+        if kind is tirx.Select:
             return np.where(self.ev(e.condition), self.ev(e.true_value), self.ev(e.false_value))
-        if isinstance(e, tvm.ir.Call) and e.op.name in ("prim.if_then_else", "tirx.if_then_else"):
+        if kind is tvm.ir.Call and e.op.name in ("prim.if_then_else", "tirx.if_then_else"):
             return np.where(self.ev(e.args[0]), self.ev(e.args[1]), self.ev(e.args[2]))
-        if isinstance(e, tvm.ir.Call) and e.op.name in ("tirx.likely", "prim.likely"):
+        if kind is tvm.ir.Call and e.op.name in ("tirx.likely", "prim.likely"):
             return self.ev(e.args[0])
-        if isinstance(e, tirx.Not):
+        if kind is tirx.Not:
             return np.logical_not(self.ev(e.a))
-        ops = {tirx.Add: np.add, tirx.Sub: np.subtract, tirx.Mul: np.multiply, tirx.FloorDiv: np.floor_divide,
-               tirx.FloorMod: np.mod, tirx.Min: np.minimum, tirx.Max: np.maximum, tirx.LT: np.less,
-               tirx.LE: np.less_equal, tirx.GT: np.greater, tirx.GE: np.greater_equal, tirx.EQ: np.equal,
-               tirx.NE: np.not_equal, tirx.And: np.logical_and, tirx.Or: np.logical_or,
-               tirx.RShift: np.right_shift, tirx.BitwiseAnd: np.bitwise_and, tirx.LShift: np.left_shift,
-               tirx.Div: lambda a, b: np.trunc(np.divide(a, b)).astype(np.int64),
-               tirx.Mod: lambda a, b: np.fmod(a, b)}
-        for kind, op in ops.items():
-            if isinstance(e, kind):
-                return op(self.ev(e.a), self.ev(e.b))
-        raise DataDependent(type(e).__name__)
+        raise DataDependent(kind.__name__)
 
     def vec(self, x):
         return np.broadcast_to(np.asarray(x), (self.n,))
@@ -438,10 +440,19 @@ class Concrete:
                 except DataDependent:
                     pass
                 visit(x.body, mask)
-            else:
-                for name in ("a", "b", "value", "condition", "true_value", "false_value", "base"):
-                    if hasattr(x, name) and isinstance(getattr(x, name), tvm.ir.expr.Expr):
-                        visit(getattr(x, name), mask)
+            elif type(x) in BINARY:
+                visit(x.a, mask)
+                visit(x.b, mask)
+            elif isinstance(x, (tirx.Cast, tirx.Broadcast)):
+                visit(x.value, mask)
+            elif isinstance(x, tirx.Select):
+                visit(x.condition, mask)
+                visit(x.true_value, mask)
+                visit(x.false_value, mask)
+            elif isinstance(x, tirx.Ramp):
+                visit(x.base, mask)
+            elif isinstance(x, tirx.Not):
+                visit(x.a, mask)
 
         visit(e, mask)
 

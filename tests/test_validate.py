@@ -1,0 +1,95 @@
+"""The thread-level validator (analysis/threads.py): it accepts correct kernels, rejects main's
+known defects and a sample of injected faults with messages naming the stage, the buffer and the
+two threads, and agrees with an independent concrete run (scripts/validate_mutants.py runs the
+full mutation test)."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+from tvm import tirx
+
+import souffle
+from analysis.threads import validate_kernel
+from souffle import models
+from souffle.compiler import run_passes
+from souffle.errors import SouffleError, ValidationError
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+mutants = importlib.import_module("scripts.validate_mutants")
+
+
+@pytest.fixture(scope="module")
+def lstm_o4():
+    (kernel,) = mutants.kernels("lstm", 4)
+    return kernel
+
+
+def _violations(kernel, func=None):
+    return mutants.validate(kernel, func).violations
+
+
+def test_accepts_the_correct_kernels(lstm_o4):
+    assert _violations(lstm_o4) == ()
+    (o3,) = mutants.kernels("lstm", 3)
+    assert _violations(o3) == ()
+    assert mutants.concrete_faults(lstm_o4, lstm_o4.func) == []
+
+
+def test_rejects_mmoe_o4_reading_another_threads_result_without_syncthreads():
+    """Issue 15, defect 3: paper and tiny MMoE at O4 have no __syncthreads; the gate slice
+    written by threads 0-2 is read by thread 0 (the softmax maximum) in the same block."""
+    (kernel,) = mutants.kernels("mmoe", 4)
+    violations = _violations(kernel)
+    assert any("stage 1 (writes T_strided_slice_with_axes)" in v and "same block" in v
+               and "no __syncthreads between them" in v and "thread (" in v for v in violations), violations
+    assert any(f.startswith("race:") for f in mutants.concrete_faults(kernel, kernel.func))
+
+
+def test_the_pass_refuses_an_unsafe_kernel_with_a_souffle_error():
+    graph = models.build("mmoe", config="tiny")
+    with pytest.raises(ValidationError, match=r"kernel main_kernel: stage \d+ .* no __syncthreads") as err:
+        run_passes(graph, "cuda", stop="validate_threads", validate=True)
+    assert isinstance(err.value, SouffleError)
+    skipped = run_passes(graph, "cuda", stop="validate_threads", validate=False)
+    assert [r.notes for r in skipped.records if r.name == "validate_threads"] == [("skipped (validation off)",)]
+    with pytest.raises(SouffleError, match="validate must be True, False or None"):
+        souffle.compile(graph, target="cuda", validate="yes")
+
+
+def test_the_pass_validates_lstm_o4():
+    run = run_passes(models.build("lstm", config="tiny"), "cuda", stop="validate_threads", validate=True)
+    (record,) = [r for r in run.records if r.name == "validate_threads"]
+    assert record.notes[-1] == "1 kernels validated"
+
+
+@pytest.mark.parametrize("kind", mutants.KINDS)
+def test_injected_faults_are_rejected(lstm_o4, kind):
+    """Mutants of each kind in the tiny LSTM's O4 kernel, in order until one is rejected: that one
+    the concrete run finds unsafe too, and none before it was unsafe (a false accept)."""
+    outcomes = []
+    for what, make in mutants.sites(lstm_o4)[kind]:
+        outcomes.append(mutants.judge(kind, lstm_o4, what, make())["outcome"])
+        if outcomes[-1].startswith("rejected"):
+            break
+    assert outcomes and outcomes[-1] == "rejected unsafe", outcomes
+    assert "FALSE ACCEPT" not in outcomes
+
+
+def test_a_barrier_under_a_thread_condition_is_a_deadlock(lstm_o4):
+    what, make = next((w, m) for w, m in mutants.sites(lstm_o4)["barrier_under_if"] if "tvm_storage_sync" in w)
+    violations = _violations(lstm_o4, make())
+    assert any(v.startswith("deadlock: a __syncthreads") for v in violations), violations
+
+
+def test_a_launch_the_code_does_not_declare_is_refused(lstm_o4):
+    def halve(s):
+        if isinstance(s, tirx.AttrStmt) and s.attr_key == "thread_extent" and s.node.thread_tag == "threadIdx.y":
+            return tirx.AttrStmt(s.node, s.attr_key, tirx.const(4, "int32"), s.body)
+        return s
+
+    func = lstm_o4.func.with_body(mutants.rewrite(lstm_o4.func.body, halve))
+    violations = validate_kernel(func, 256, "k")
+    assert violations.violations[0].startswith("launch fit: threadIdx.y is launched over 4, but the block is (32, 8, 1)")
