@@ -354,18 +354,11 @@ class Access:
 
 
 @dataclass
-class Barrier:
-    kind: str  # "grid" or "block"
-    path: tuple
-
-
-@dataclass
 class Kernel:
     """What ``validate_kernel`` read of one device function."""
 
     name: str
     accesses: list = field(default_factory=list)
-    barriers: list = field(default_factory=list)
     stages: dict = field(default_factory=dict)  # stage number -> (tile variable, n_tiles, name)
     surely: dict = field(default_factory=dict)  # (kind, seq id) -> [child runs a barrier of kind]
     loop_body_surely: dict = field(default_factory=dict)  # (kind, loop id) -> body runs one
@@ -633,7 +626,6 @@ class Walker:
                     self.kernel.errors.append(
                         f"deadlock: a grid barrier {self.where(ctx)} under a condition or loop that depends on the "
                         f"block, the thread or data: not every thread of the grid reaches it")
-                self.kernel.barriers.append(Barrier("grid", ctx.path))
                 return True, True
             if op == "tirx.tvm_storage_sync":
                 scope = call.args[0].value
@@ -643,7 +635,6 @@ class Walker:
                     self.kernel.errors.append(
                         f"deadlock: a __syncthreads {self.where(ctx)} under a condition or loop that depends on the "
                         f"thread or data: not every thread of the block reaches it")
-                self.kernel.barriers.append(Barrier("block", ctx.path))
                 return False, True
         self.reads(call, ctx, s)
         return False, False
@@ -976,8 +967,9 @@ class Checker:
         terms = sorted(((abs(v), k[0]) for k, v in forms[0].items() if k), key=lambda t: t[0])
         if any(len(k) != 1 or k[0] not in ranges for k in forms[0] if k):
             return False
-        if a.memory.scope == "global" and "T*" not in [name for _, name in terms]:
-            return False
+        present = {name for _, name in terms}
+        if not {LANE, WARP_INDEX} <= present or (a.memory.scope == "global" and "T*" not in present):
+            return False  # the address does not tell the thread (or, in global memory, the block) apart
         if a.block == BLOCK or b.block == BLOCK:
             return False
         reach = a.width - 1

@@ -88,6 +88,7 @@ SYNCHRONIZATION = (
     Pass("plan_arena", lambda staged, _: plan_arena(staged), STAGED),
 )
 
+
 def _source(plan, arch: str) -> CudaSource:
     device = device_module(plan.funcs, arch)
     return CudaSource(plan, cuda_source(device, arch), device)
@@ -110,7 +111,8 @@ def validate_threads(source: CudaSource, options) -> Outcome:
 
     host_loops(plan.launches)
     min_grids = {f"{launch.kernel}_kernel": launch.min_grid for launch in plan.kernel_launches()}
-    results = validate_kernels(device_functions(source.device), plan.staged.threads, counters, min_grids)
+    device = source.device if source.device is not None else device_module(plan.funcs, options.device.arch)
+    results = validate_kernels(device_functions(device), plan.staged.threads, counters, min_grids)
     return Outcome(source, [f"{r.kernel}: {note}" for r in results for note in r.notes]
                    + [f"{len(results)} kernels validated"])
 

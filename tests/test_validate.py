@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tvm
 from tvm import tirx
 
 import souffle
@@ -93,3 +94,34 @@ def test_a_launch_the_code_does_not_declare_is_refused(lstm_o4):
     func = lstm_o4.func.with_body(mutants.rewrite(lstm_o4.func.body, halve))
     violations = validate_kernel(func, 256, "k")
     assert violations.violations[0].startswith("launch fit: threadIdx.y is launched over 4, but the block is (32, 8, 1)")
+
+
+def _lane_zero_then_all_lanes(sync: bool) -> tirx.PrimFunc:
+    """Lane 0 of each warp writes shared S[warp]; then every lane reads S[warp] (with or without
+    a __syncthreads between): the pattern of a warp reduction's result handed to its warp."""
+    grid, n = tirx.Var("grid_size", "int32"), tirx.Var("n", "int32")
+    out = tirx.decl_buffer((n,), "float32", name="out")
+    shared = tirx.decl_buffer((8,), "float32", name="S", scope="shared")
+    bx, tx, ty = (tirx.Var(name, "int32") for name in ("blockIdx_x", "threadIdx_x", "threadIdx_y"))
+    t = tirx.Var("t", "int32")
+    body = [
+            tirx.IfThenElse(tx == 0, tirx.BufferStore(shared, tirx.const(1.0, "float32"), [ty]), None),
+            tirx.BufferStore(out, tirx.BufferLoad(shared, [ty]), [(bx + t * grid) * 256 + ty * 32 + tx])]
+    if sync:
+        body.insert(1, tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared")))
+    # one stage of one tile: for t in range(ceildiv(1 - blockIdx.x, grid_size))
+    stage = tirx.For(t, 0, tirx.floordiv(grid - bx, grid), tirx.ForKind.SERIAL, tirx.SeqStmt(body))
+    stmt = tirx.SeqStmt([tirx.AllocBuffer(shared), stage])
+    for var, tag, extent in ((ty, "threadIdx.y", 8), (tx, "threadIdx.x", 32), (bx, "blockIdx.x", grid)):
+        binding = tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
+        stmt = tirx.AttrStmt(binding, "thread_extent", extent, stmt)
+    return tirx.PrimFunc([n, grid], stmt)
+
+
+def test_other_lanes_reading_lane_zeros_shared_word_need_a_syncthreads():
+    """Found by the mutation test: an address that names the warp but not the lane does not
+    make two accesses the same thread's."""
+    assert validate_kernel(_lane_zero_then_all_lanes(sync=True), 256).violations == ()
+    (violation,) = validate_kernel(_lane_zero_then_all_lanes(sync=False), 256).violations
+    assert violation.startswith("stage 0 (writes out): thread (") and "of tile 0 (same block, grid size 1) write " \
+        "and read shared S[" in violation and "no __syncthreads" in violation
