@@ -371,7 +371,7 @@ class Kernel:
     bounds: dict = field(default_factory=dict)  # variable -> (lowest, highest), where constant
 
 
-KINDS = {"grid": ("grid",), "block": ("grid", "block")}  # what a check counts as ordering
+REPORTED = 5  # violations found before the race search stops (the error lists these)
 
 
 class Walker:
@@ -949,6 +949,8 @@ class Checker:
                     if message:
                         reported.add(key)
                         self.violations.append(message)
+                        if len(self.violations) >= REPORTED:  # enough to refuse the kernel and say why
+                            return
 
     def same_thread_only(self, a: Access, b: Access) -> bool:
         """Whether ``a`` and ``b`` reach the same bytes only from the same thread of the same
@@ -1024,7 +1026,8 @@ class Checker:
                 a.index is None or b.index is None or a.approximate or b.approximate) else ""
             verb = "both write" if a.write and b.write else "write and read"
             barrier = "__syncthreads" if kind == "block" else "grid barrier"
-            return (f"{self.stage_name(a.stage)}: {self.describe(a, p, '_a')} and {self.describe(b, p, '_b')} "
+            stages = self.stage_name(a.stage) + ("" if b.stage == a.stage else f" / {self.stage_name(b.stage)}")
+            return (f"{stages}: {self.describe(a, p, '_a')} and {self.describe(b, p, '_b')} "
                     f"({relation}, grid size {p[GRID]}) {verb} {a.memory.scope} {a.buffer}"
                     f"[{self.element(a, p, '_a')}] / {b.buffer}[{self.element(b, p, '_b')}] with no {barrier} "
                     f"between them ({case}){approximate}: {a.stmt} | {b.stmt}")
@@ -1121,7 +1124,7 @@ def validate_kernels(functions: dict[str, tirx.PrimFunc], threads: int, counters
                for name, func in functions.items()]
     failed = [r for r in results if r.violations]
     if failed:
-        lines = [f"kernel {r.kernel}: {v}" for r in failed for v in r.violations[:5]]
+        lines = [f"kernel {r.kernel}: {v}" for r in failed for v in r.violations[:REPORTED]]
         more = sum(len(r.violations) for r in failed) - len(lines)
         raise ValidationError("the CUDA kernel is not thread-safe:\n  " + "\n  ".join(lines)
                               + (f"\n  ... and {more} more" if more > 0 else ""))
