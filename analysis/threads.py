@@ -1,10 +1,11 @@
 """Static thread-level validation of a persistent CUDA kernel, on the TIR that becomes its source.
 
-``device_functions`` lowers the kernel plan's PrimFuncs with TVM's own CUDA pipeline up to the
-point where ``target.build.cuda`` prints them (after ``SplitHostDevice`` and the device
-finalization passes), so what is checked is what nvcc compiles. ``validate_kernel`` reads one
-such device function as a persistent kernel: a 1-D grid of ``grid_size`` blocks (an isl
-parameter ``G``, so every check holds for every grid size >= 1), blocks of (32, warps, 1) threads,
+``lower_for_device`` runs TVM's own CUDA pipeline on the kernel plan's PrimFuncs up to the point
+where ``target.build.cuda`` prints them (after ``SplitHostDevice`` and the device finalization
+passes); ``codegen.cuda.cuda_source`` prints that very module, so what is checked is what nvcc
+compiles. ``validate_kernel`` reads one device function as a persistent kernel: a 1-D grid of
+``grid_size`` blocks (an isl parameter ``G``: every check holds for every grid size from 1, or
+from the launch's minimum where on-chip weights need more blocks), blocks of (32, warps, 1) threads,
 each stage a loop ``for t in range(ceildiv(n_tiles - blockIdx.x, G))`` over tiles
 ``tile = blockIdx.x + t * G``. Every memory access becomes an isl set over (tile or block,
 threadIdx.x, threadIdx.y, loop iterations) with its byte address; it checks
@@ -29,8 +30,11 @@ different threads needs a block barrier, whatever the tiles. Between two tiles o
 the barriers in those two tiles' iterations are counted, never those of the tiles in between
 (which another ``G`` may give to another block). Over-approximations, reported in the result's
 notes, never accept silently: a non-affine index is any address; a non-affine condition is
-dropped (the access may happen); ``blockIdx.x`` or ``t`` left alone in an index are variables
-bounded only by ``0 <= blockIdx.x, t <= tile``.
+dropped (the access may happen), and a stage with one cannot prove its coverage; ``blockIdx.x``
+or ``t`` left alone in an index are variables bounded only by ``blockIdx.x <= tile`` and
+``t * min_grid <= tile - blockIdx.x``; a C division or modulo is exact only where its operand is
+provably non-negative (every index variable is), else not affine. The race search stops after
+``REPORTED`` violations.
 """
 
 from __future__ import annotations
