@@ -128,3 +128,10 @@ def test_other_lanes_reading_lane_zeros_shared_word_need_a_syncthreads():
     (violation,) = validate_kernel(_lane_zero_then_all_lanes(sync=False), 256).violations
     assert violation.startswith("stage 0 (writes out): thread (") and "of tile 0 (same block, grid size 1) write " \
         "and read shared S[" in violation and "no __syncthreads" in violation
+
+
+def test_the_command_line_refuses_an_unsafe_kernel(capsys):
+    from souffle.cli import main
+
+    assert main(["compile", "mmoe", "--target", "cuda", "--validate", "--no-run"]) == 2
+    assert "souffle: error: the CUDA kernel is not thread-safe:\n  kernel main_kernel: stage 0" in capsys.readouterr().err
