@@ -396,10 +396,11 @@ class Concrete:
             ids = np.nonzero(mask)[0]
             element = element[ids]
             if extent is not None and ((element < 0) | (element >= extent)).any():
-                bad = ids[(element < 0) | (element >= extent)][0]
-                self.faults.append(f"out of bounds: {buffer.name}[{int(self.vec(self.ev(lane))[bad])}] of {extent} "
+                outside = (element < 0) | (element >= extent)
+                bad = ids[outside][0]
+                self.faults.append(f"out of bounds: {buffer.name}[{int(element[outside][0])}] of {extent} "
                                    f"by thread {bad % self.threads} of block {bad // self.threads}")
-                continue
+                ids, element = ids[~outside], element[~outside]  # the others' accesses still count
             if offset is None:
                 continue
             address = self.vec(offset)[ids] + element * size
