@@ -401,6 +401,8 @@ class Concrete:
                 self.faults.append(f"out of bounds: {buffer.name}[{int(element[outside][0])}] of {extent} "
                                    f"by thread {bad % self.threads} of block {bad // self.threads}")
                 ids, element = ids[~outside], element[~outside]  # the others' accesses still count
+                if not len(ids):
+                    continue
             if offset is None:
                 continue
             address = self.vec(offset)[ids] + element * size
