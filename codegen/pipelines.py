@@ -51,9 +51,8 @@ KERNELS = IRKind("kernels", "kernels.txt")
 LLVM_IR = IRKind("module", "ll")
 
 DEFAULT_OPT_LEVEL = 4
-# The thread-level validator runs by default once main's known kernel defects (issue 15) are fixed;
-# until then ``souffle compile --validate`` (``souffle.compile(..., validate=True)``) asks for it.
-VALIDATE_BY_DEFAULT = False
+# The thread-level validator runs before nvcc on every kernel; ``--no-validate`` is for debugging.
+VALIDATE_BY_DEFAULT = True
 OPT_LEVELS = {
     0: "one kernel per TE",
     1: "+ horizontal (and the LSTM wavefront)",
