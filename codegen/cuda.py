@@ -144,6 +144,19 @@ class KernelPlan:
             else:
                 yield launch
 
+    def host_loop_trips(self, launches: list | None = None) -> dict[str, int]:
+        """Each host loop's counter and trip count (the kernels inside take the counter)."""
+        trips = {}
+        for launch in self.launches if launches is None else launches:
+            if isinstance(launch, HostLoop):
+                trips[launch.counter] = launch.trips
+                trips.update(self.host_loop_trips(list(launch.body)))
+        return trips
+
+    def min_grids(self) -> dict[str, int]:
+        """The fewest blocks each kernel may launch with (on-chip weights need a grid)."""
+        return {f"{launch.kernel}_kernel": launch.min_grid for launch in self.kernel_launches()}
+
 
 def kernel_plan(staged: StagedProgram) -> KernelPlan:
     """One kernel per run of items between kernel starts; a loop with a kernel start inside

@@ -24,7 +24,7 @@ from analysis.threads import device_functions, validate_kernels
 from codegen.arena import plan_arena
 from codegen.barriers import place_barriers
 from codegen.cpu_transforms import hoist_scan_projections, pack_weights
-from codegen.cuda import (CudaSource, HostLoop, build_emulated, check_co_residency, cuda_compile, cuda_source,
+from codegen.cuda import (CudaSource, build_emulated, check_co_residency, cuda_compile, cuda_source,
                           device_module, kernel_plan)
 from codegen.epilogues import fuse_epilogues
 from codegen.horizontal import horizontal
@@ -100,18 +100,8 @@ def validate_threads(source: CudaSource, options) -> Outcome:
     if not options.validate:
         return Outcome(source, ["skipped (validation off)"])
     plan = source.plan
-    counters = {}
-
-    def host_loops(launches):
-        for launch in launches:
-            if isinstance(launch, HostLoop):
-                counters[launch.counter] = launch.trips
-                host_loops(launch.body)
-
-    host_loops(plan.launches)
-    min_grids = {f"{launch.kernel}_kernel": launch.min_grid for launch in plan.kernel_launches()}
     device = source.device if source.device is not None else device_module(plan.funcs, options.device.arch)
-    results = validate_kernels(device_functions(device), plan.staged.threads, counters, min_grids)
+    results = validate_kernels(device_functions(device), plan.staged.threads, plan.host_loop_trips(), plan.min_grids())
     return Outcome(source, [f"{r.kernel}: {note}" for r in results for note in r.notes]
                    + [f"{len(results)} kernels validated"])
 

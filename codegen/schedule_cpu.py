@@ -213,10 +213,10 @@ def _worth_inlining(sch: s_tir.Schedule, block, consumers) -> bool:
     moves_data = isinstance(value, TensorLoad) or (isinstance(value, tirx.Cast) and isinstance(value.value, TensorLoad))
     transcendental = any(name != "prim.if_then_else" for name in calls)
     reads = 0
+    nested = nested_expanded_calls(value)
     for consumer in consumers:
         consumer_value = _stored_value(sch, consumer)
-        if consumer_value is not None and (nested_expanded_calls(value) + nested_expanded_calls(consumer_value)
-                                           > MAX_NESTED_EXPANDED_CALLS):
+        if consumer_value is not None and nested + nested_expanded_calls(consumer_value) > MAX_NESTED_EXPANDED_CALLS:
             return False  # the code generator's time grows by tens per nesting level
         reads += _read_count(sch, consumer, buffer)
         if not _is_reduction(sch, consumer):

@@ -36,7 +36,8 @@ def inlinable(stage: te.Tensor, consumers: list[te.Tensor]) -> bool:
     op = stage.op
     if not isinstance(op, te.ComputeOp) or op.reduce_axis or len(op.body) != 1 or not consumers:
         return False
-    if any(nested_expanded_calls(op.body[0]) + _nested_calls(c) > MAX_NESTED_EXPANDED_CALLS for c in consumers):
+    nested = nested_expanded_calls(op.body[0])
+    if any(nested + _nested_calls(c) > MAX_NESTED_EXPANDED_CALLS for c in consumers):
         return False
     return selects_elements(op.body[0]) or all(not c.op.reduce_axis for c in consumers)
 

@@ -44,7 +44,7 @@ from tvm.ir.expr import TensorLoad  # noqa: E402
 
 from analysis.threads import device_functions, validate_kernel  # noqa: E402
 from benchmarks import common  # noqa: E402
-from codegen.cuda import HostLoop, device_module  # noqa: E402
+from codegen.cuda import device_module  # noqa: E402
 from souffle import models  # noqa: E402
 from souffle.compiler import run_passes  # noqa: E402
 
@@ -69,16 +69,7 @@ class Kernel:
 def kernels(model: str, level: int, config: str = "tiny") -> list[Kernel]:
     """Every kernel of ``model`` at ``level``, as TVM hands it to the CUDA code generator."""
     plan = run_passes(models.build(model, config=config), "cuda", stop="kernel_plan", opt_level=level).ir
-    counters = {}
-
-    def host_loops(launches):
-        for launch in launches:
-            if isinstance(launch, HostLoop):
-                counters[launch.counter] = launch.trips
-                host_loops(launch.body)
-
-    host_loops(plan.launches)
-    min_grids = {f"{launch.kernel}_kernel": launch.min_grid for launch in plan.kernel_launches()}
+    counters, min_grids = plan.host_loop_trips(), plan.min_grids()
     functions = device_functions(device_module(plan.funcs, "sm_90"))
     return [Kernel(f"{model} O{level}", name, func, counters, min_grids.get(name, 1), plan.staged.threads)
             for name, func in functions.items()]
