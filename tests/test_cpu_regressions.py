@@ -307,3 +307,21 @@ def test_vertical_nests_at_most_two_transcendental_calls():
     depths = [nested_expanded_calls(body) for stage in program.stages() for body in stage.op.body]
     assert max(depths) == MAX_NESTED_EXPANDED_CALLS == 2
     assert len(depths) == 3
+
+
+@pytest.mark.parametrize("opt_level", [0, 2, 4])
+def test_a_flattened_table_looked_up_by_int64_ids_compiles(opt_level):
+    """Vertical fusion substitutes the embedding's int64 ids into the flatten's int32 index
+    arithmetic (fuzz seed 1795427230); TVM refuses ``floormod(int64, int32)``, so the
+    substitution widens the narrower side."""
+    b = GraphBuilder("flattened_table")
+    b.input("x", (33, 3, 4))
+    b.input("ids", (2, 2), "int64")
+    b.op("relu", "x", name="table3d")
+    b.op("flatten", "table3d", name="table", start_dim=0, end_dim=1)
+    b.op("embedding", "table", "ids", name="rows")
+    graph = b.build("rows")
+    x = np.random.default_rng(0).standard_normal((33, 3, 4)).astype("float32")
+    ids = np.array([[0, 98], [50, 7]], dtype="int64")
+    got = souffle.compile(graph, target="llvm-persistent", opt_level=opt_level).run({"x": x, "ids": ids})[0]
+    np.testing.assert_array_equal(got, np.maximum(x, 0).reshape(99, 4)[ids])
