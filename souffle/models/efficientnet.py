@@ -11,6 +11,7 @@ batch norm reads its running statistics; none of them has a parameter of its own
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -178,8 +179,16 @@ def init_weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def build_graph(cfg, weights) -> Graph:
-    """x (1, 3, H, W) float32 -> logits (1, classes): the torch module imported by ``from_torch``
-    (torch's own initial weights, replaced by ``weights``; no weights when ``weights`` is None)."""
+    """x (1, 3, H, W) float32 -> logits (1, classes): the torch module imported by ``from_torch``,
+    with ``weights`` (none when ``weights`` is None)."""
+    structure = _imported(tuple(sorted(cfg.items())))
+    return structure if weights is None else structure.with_weights(weights)
+
+
+@functools.lru_cache(maxsize=4)
+def _imported(cfg_items: tuple) -> Graph:
+    """The imported graph without weights, once per configuration: the structure depends on the
+    configuration only, and torch.export takes seconds (tens of them for b0)."""
     try:
         import torch
     except ImportError:
@@ -188,10 +197,10 @@ def build_graph(cfg, weights) -> Graph:
         ) from None
     from souffle.importers.torch_export import from_torch
 
+    cfg = dict(cfg_items)
     example = torch.zeros((1, 3, cfg["image"], cfg["image"]))
     imported = from_torch(torch_module(cfg), (example,))
-    structure = Graph(imported.name, imported.inputs, imported.params.values(), imported.ops, imported.outputs)
-    return structure if weights is None else structure.with_weights(weights)
+    return Graph("efficientnet", imported.inputs, imported.params.values(), imported.ops, imported.outputs)
 
 
 def make_inputs(cfg, seed: int = 0) -> dict[str, np.ndarray]:
