@@ -178,6 +178,14 @@ OP_CASES = [
     ("reshape", [_f32(2, 3, 4)], {"shape": (4, -1)}),
     ("flatten", [_f32(2, 3, 4, 5)], {"start_dim": 1, "end_dim": 2}),
     ("full", [], {"shape": (2, 3), "value": 7, "dtype": "int32"}),
+    ("eq", [np.array([[1, 2, np.nan], [0, -1, 3]], np.float32), np.array([1, 5, np.nan], np.float32)], {}),
+    ("ne", [np.array([[1, 2, np.nan], [0, -1, 3]], np.float32), np.array([1, 5, np.nan], np.float32)], {}),
+    *((kind, [np.array([[1, 2, 3], [4, 5, 6]], np.int64), np.array([[2], [5]], np.int64)], {})
+      for kind in ("lt", "le", "gt", "ge")),
+    ("logical_and", [np.array([[0, 1, 2]], np.int32), np.array([[1], [0]], np.int32)], {}),
+    ("logical_or", [np.array([0.0, 0.5, np.nan], np.float32), np.array([0.0, 0.0, 0.0], np.float32)], {}),
+    ("logical_not", [np.array([0, 3, -1], np.int64)], {}),
+    ("where", [np.array([[1], [0]], np.int32), _f32(2, 3), _f32(3)], {}),
 ]
 
 
