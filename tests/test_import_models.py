@@ -13,6 +13,7 @@ from torch import nn  # noqa: E402
 
 import souffle  # noqa: E402
 from souffle import models  # noqa: E402
+from souffle.errors import ModelImportError  # noqa: E402
 
 RTOL = ATOL = 1e-4
 
@@ -206,3 +207,25 @@ def test_resnext_module_with_torchvision_names_imports_and_matches():
     image = torch.from_numpy(models.make_inputs("resnext", "tiny", seed=1)["x"])
     graph = souffle.from_torch(module, (image,))
     _compare(graph, module, {"x": image})
+
+
+def test_a_bool_input_is_refused_with_what_to_pass_instead():
+    class Masked(nn.Module):
+        def forward(self, x, mask):
+            return x.masked_fill(~mask, 0.0)
+
+    x = torch.randn(2, 3)
+    with pytest.raises(ModelImportError, match="input 'mask' is bool; .* pass the mask as int64 0s and 1s"):
+        souffle.from_torch(Masked(), (x, torch.ones(2, 3, dtype=torch.bool)))
+
+
+def test_masked_fill_by_a_mask_made_from_an_int_input_matches():
+    class Masked(nn.Module):
+        def forward(self, x, mask):
+            return x.masked_fill(~mask.bool(), float("-inf")).softmax(-1) * (mask > 0)
+
+    x = torch.randn(2, 4)
+    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]])
+    graph = souffle.from_torch(Masked(), (x, mask))
+    got = run_poisoned(souffle.compile(graph, target="llvm"), {"x": x.numpy(), "mask": mask.numpy()})[0]
+    np.testing.assert_allclose(got, Masked()(x, mask).numpy(), rtol=RTOL, atol=ATOL)

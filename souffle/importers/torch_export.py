@@ -186,6 +186,10 @@ class _Importer:
                     f"input {name!r} has a symbolic dimension {axis} ({dim}): souffle compiles static shapes, "
                     f"so export with concrete shapes (no dynamic_shapes) and compile one graph per shape")
             shape.append(dim)
+        if str(value.dtype) == "torch.bool":
+            raise ModelImportError(
+                f"input {name!r} is bool; souffle's graph inputs are numbers: pass the mask as int64 0s and 1s "
+                f"(as Hugging Face tokenizers give attention_mask), the model's .bool() then reads it as torch does")
         self._sources.add(name)
         return Tensor(self.builder.input(name, tuple(shape), _dtype(value, f"input {name!r}")))
 
