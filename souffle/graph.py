@@ -190,10 +190,8 @@ class Graph:
             checked[name] = _owned_weight(array, source, np.dtype(spec.dtype), where)
             if source != spec.dtype:
                 conversions[source, spec.dtype] = conversions.get((source, spec.dtype), 0) + 1
-        self.weight_notes = tuple(
-            f"{count} tensor{'s' if count > 1 else ''} converted {source} -> {dtype}"
-            + (" (rounded to nearest)" if np.dtype(dtype).itemsize < _itemsize(source) and dtype.startswith("float") else "")
-            for (source, dtype), count in sorted(conversions.items()))
+        self.weight_notes = tuple(_conversion_note(source, dtype, count)
+                                  for (source, dtype), count in sorted(conversions.items()))
         return checked
 
     # -- convenience ------------------------------------------------------------------------
@@ -225,6 +223,14 @@ class Graph:
         lines += [f"  {op}" for op in self.ops]
         lines.append(f"  return {', '.join(self.outputs)}")
         return "\n".join(lines)
+
+
+def _conversion_note(source: str, dtype: str, count: int) -> str:
+    """How ``count`` weights given as ``source`` became the parameters' ``dtype``; a float narrowed
+    to a smaller float is rounded to nearest (``_lost_values`` refuses only a value that overflows)."""
+    rounded = dtype.startswith("float") and np.dtype(dtype).itemsize < _itemsize(source)
+    return f"{count} tensor{'s' if count > 1 else ''} converted {source} -> {dtype}" + \
+        (" (rounded to nearest)" if rounded else "")
 
 
 def _itemsize(dtype: str) -> int:
