@@ -151,21 +151,23 @@ def _config(name: str, config) -> dict:
 
 
 def _check_value(name: str, key: str, value, default):
-    """A value of the default's kind: a positive int for an int, True or False for a bool, a
-    list of positive ints for a list (anything else is left to the model's ``check_config``)."""
-    def positive(v):
-        return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v > 0
-
-    if isinstance(default, bool):
-        ok, wanted = isinstance(value, (bool, np.bool_)), "True or False"
-    elif isinstance(default, int):
-        ok, wanted = positive(value), "a positive integer"
-    elif isinstance(default, (list, tuple)):
-        ok, wanted = isinstance(value, (list, tuple)) and all(positive(v) for v in value), "a list of positive integers"
-    else:
-        return
-    if not ok:
+    """A value of the default's kind (``_fits``); anything finer is the model's ``check_config``."""
+    if not _fits(value, default):
+        wanted = ("True or False" if isinstance(default, bool) else "a positive integer" if isinstance(default, int)
+                  else f"a list like {list(default)!r}")
         raise ConfigError(f"config key {key!r} of model {name!r} must be {wanted}, got {value!r}")
+
+
+def _fits(value, default) -> bool:
+    """True or False for a bool, a positive int for an int, a list of such for a list (its items
+    like the default's first); a value of any other default (a float, a name, None) passes."""
+    if isinstance(default, bool):
+        return isinstance(value, (bool, np.bool_))
+    if isinstance(default, int):
+        return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value > 0
+    if isinstance(default, (list, tuple)):
+        return isinstance(value, (list, tuple)) and (not default or all(_fits(v, default[0]) for v in value))
+    return True
 
 
 def _checked_seed(seed) -> int:
