@@ -229,3 +229,18 @@ def test_masked_fill_by_a_mask_made_from_an_int_input_matches():
     graph = souffle.from_torch(Masked(), (x, mask))
     got = run_poisoned(souffle.compile(graph, target="llvm"), {"x": x.numpy(), "mask": mask.numpy()})[0]
     np.testing.assert_allclose(got, Masked()(x, mask).numpy(), rtol=RTOL, atol=ATOL)
+
+
+def test_indexing_by_constant_indices_gathers_and_bool_where_branches_stay_masks():
+    class Picked(nn.Module):
+        def forward(self, x, mask):
+            keep = torch.where(mask > 1, mask > 0, mask < 0)  # bool branches
+            order = torch.arange(4).flip(0) % 3  # [0, 2, 1, 0]: indices computed from constants
+            return x[:, order] * keep[:, :4]
+
+    x = torch.randn(2, 5)
+    mask = torch.tensor([[2, 1, 0, 2, 1], [0, 2, 2, 1, 0]])
+    graph = souffle.from_torch(Picked(), (x, mask))
+    assert "embedding" in {op.kind for op in graph.ops}  # a gather: the indices are no mere layout
+    got = run_poisoned(souffle.compile(graph, target="llvm"), {"x": x.numpy(), "mask": mask.numpy()})[0]
+    np.testing.assert_allclose(got, Picked()(x, mask).numpy(), rtol=RTOL, atol=ATOL)

@@ -438,14 +438,20 @@ for _overloads, _kind, _bitwise in (
 
 @rule("where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar")
 def _where(ctx, condition, a, b):
-    dtype = ctx.out_dtype()
-    return ctx.op("where", _truth(ctx, condition), _as_operand(ctx, a, dtype), _as_operand(ctx, b, dtype))
+    return _select(ctx, condition, a, b)
 
 
 @rule("masked_fill.Scalar", "masked_fill.Tensor")
 def _masked_fill(ctx, x, mask, value):
-    dtype = ctx.out_dtype()
-    return ctx.op("where", _truth(ctx, mask), _as_operand(ctx, value, dtype), _as_operand(ctx, x, dtype))
+    return _select(ctx, mask, value, x)
+
+
+def _select(ctx, condition, a, b):
+    """where(condition, a, b) in the node's dtype (bool branches as masks)."""
+    boolean = ctx.out_dtype() == "bool"
+    dtype = MASK_DTYPE if boolean else ctx.out_dtype()
+    result = ctx.op("where", _truth(ctx, condition), _as_operand(ctx, a, dtype), _as_operand(ctx, b, dtype))
+    return ctx.mark_bool(result) if boolean else result
 
 
 @rule("index.Tensor")
