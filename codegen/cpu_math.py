@@ -116,6 +116,27 @@ def nested_expanded_calls(expr) -> int:
     and the CPU schedule's inlining) stops before a fused expression nests more than
     ``MAX_NESTED_EXPANDED_CALLS`` of them; the intermediate is stored instead.
     """
+    return _nesting(expr, lambda node: isinstance(node, tvm.ir.Call) and isinstance(node.op, tvm.ir.Op)
+                    and node.op.name in EXPANDED_CALLS)
+
+
+MAX_NESTED_SELECTS = 2
+
+
+def nested_selects(expr) -> int:
+    """How many data-dependent selects (``where``, clamps) nest along the deepest path of ``expr``.
+
+    TVM's simplifier simplifies each branch of a select under its condition, and the condition
+    itself first: a select whose condition or branches hold further selects is simplified again
+    for each, so the work grows by a factor per level. Three levels of ``where`` over comparisons
+    of ``where`` took TVM's lowering and LLVM build past five minutes; fusion stops at
+    ``MAX_NESTED_SELECTS`` like it does for expanded calls.
+    """
+    return _nesting(expr, lambda node: isinstance(node, tvm.tirx.Select))
+
+
+def _nesting(expr, counted) -> int:
+    """The most nodes for which ``counted`` holds along one path from ``expr`` down."""
     depth: dict = {}
 
     def visit(node) -> int:
@@ -129,8 +150,7 @@ def nested_expanded_calls(expr) -> int:
             if isinstance(listed, (list, tuple, tvm.ir.Array)):
                 children.extend(listed)
         below = max((visit(c) for c in children if isinstance(c, tvm.ir.Expr)), default=0)
-        own = isinstance(node, tvm.ir.Call) and isinstance(node.op, tvm.ir.Op) and node.op.name in EXPANDED_CALLS
-        depth[key] = below + own
+        depth[key] = below + bool(counted(node))
         return depth[key]
 
     return visit(expr)

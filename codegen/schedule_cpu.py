@@ -39,7 +39,7 @@ from tvm.ir.expr import TensorLoad  # what a BufferLoad is in TVM 0.27
 from tvm_ffi import structural_equal
 
 from analysis.device import DeviceModel
-from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, nested_expanded_calls
+from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, MAX_NESTED_SELECTS, nested_expanded_calls, nested_selects
 
 DEFAULT_L2_BYTES = 512 << 10  # where the device model could not read the L2's size
 MAX_ACCUMULATORS = 12  # vector registers for a register tile (of 16; the rest hold loads)
@@ -213,10 +213,9 @@ def _worth_inlining(sch: s_tir.Schedule, block, consumers) -> bool:
     moves_data = isinstance(value, TensorLoad) or (isinstance(value, tirx.Cast) and isinstance(value.value, TensorLoad))
     transcendental = any(name != "prim.if_then_else" for name in calls)
     reads = 0
-    nested = nested_expanded_calls(value)
     for consumer in consumers:
         consumer_value = _stored_value(sch, consumer)
-        if consumer_value is not None and nested + nested_expanded_calls(consumer_value) > MAX_NESTED_EXPANDED_CALLS:
+        if consumer_value is not None and _nests_too_deep_values(value, consumer_value):
             return False  # the code generator's time grows by tens per nesting level
         reads += _read_count(sch, consumer, buffer)
         if not _is_reduction(sch, consumer):
@@ -461,7 +460,14 @@ def _nests_too_deep(sch: s_tir.Schedule, write_back, consumer) -> bool:
     value, consumer_value = _stored_value(sch, write_back), _stored_value(sch, consumer)
     if value is None or consumer_value is None:
         return True
-    return nested_expanded_calls(value) + nested_expanded_calls(consumer_value) > MAX_NESTED_EXPANDED_CALLS
+    return _nests_too_deep_values(value, consumer_value)
+
+
+def _nests_too_deep_values(value, consumer_value) -> bool:
+    """Whether ``value`` folded into ``consumer_value`` nests more expanded calls or selects than
+    TVM simplifies and LLVM builds in reasonable time (see ``cpu_math``)."""
+    return (nested_expanded_calls(value) + nested_expanded_calls(consumer_value) > MAX_NESTED_EXPANDED_CALLS
+            or nested_selects(value) + nested_selects(consumer_value) > MAX_NESTED_SELECTS)
 
 
 def _reads_each_element_once(sch: s_tir.Schedule, consumer, buffer: tirx.Buffer) -> bool:

@@ -12,7 +12,7 @@ from tvm import te
 
 from analysis.affine import Rewriter, recompute
 from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD, is_call_to
-from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, nested_expanded_calls
+from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, MAX_NESTED_SELECTS, nested_expanded_calls, nested_selects
 from souffle.lower import LoopRegion, Region, TEProgram
 from souffle.passes import Outcome
 
@@ -36,15 +36,16 @@ def inlinable(stage: te.Tensor, consumers: list[te.Tensor]) -> bool:
     op = stage.op
     if not isinstance(op, te.ComputeOp) or op.reduce_axis or len(op.body) != 1 or not consumers:
         return False
-    nested = nested_expanded_calls(op.body[0])
-    if any(nested + _nested_calls(c) > MAX_NESTED_EXPANDED_CALLS for c in consumers):
+    nested, selects = nested_expanded_calls(op.body[0]), nested_selects(op.body[0])
+    if any(nested + _nested(c, nested_expanded_calls) > MAX_NESTED_EXPANDED_CALLS
+           or selects + _nested(c, nested_selects) > MAX_NESTED_SELECTS for c in consumers):
         return False
     return selects_elements(op.body[0]) or all(not c.op.reduce_axis for c in consumers)
 
 
-def _nested_calls(consumer: te.Tensor) -> int:
+def _nested(consumer: te.Tensor, depth) -> int:
     body = getattr(consumer.op, "body", ())
-    return max((nested_expanded_calls(b) for b in body), default=0)
+    return max((depth(b) for b in body), default=0)
 
 
 def selects_elements(expr) -> bool:

@@ -366,3 +366,44 @@ def test_a_gemm_write_back_nests_at_most_two_transcendental_calls():
     y = torch.sigmoid(torch.nn.functional.gelu(torch.nn.functional.silu(torch.nn.functional.silu(y)),
                                                approximate="tanh"))
     np.testing.assert_allclose(got, y.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _nested_where_graph():
+    """Fuzz seed 1795437653: ``where`` over comparisons of ``where``, three levels deep."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("nested_where")
+    b.input("x", (5,))
+    b.param("low", rng.standard_normal((1,)).astype("float32"))
+    b.param("high", rng.standard_normal((5,)).astype("float32"))
+    b.param("table", rng.standard_normal((5, 5)).astype("float32"))
+    b.op("gt", "x", "low", name="above")
+    b.op("le", "x", "high", name="below")
+    b.op("logical_or", "above", "below", name="either")
+    b.op("where", "either", "x", "low", name="first")
+    b.op("sum", "first", name="total", axes=-1, keepdims=True)
+    b.op("ne", "first", "table", name="differs")
+    b.op("where", "differs", "first", "table", name="second")
+    b.op("ge", "second", "total", name="larger")
+    b.op("where", "larger", "second", "total", name="third")
+    return b.build("third")
+
+
+@pytest.mark.parametrize("target, opt_level", [("llvm", None), ("llvm-persistent", 2), ("llvm-persistent", 4)])
+def test_nested_where_builds_and_matches_numpy(target, opt_level):
+    """Fused into one expression, three nested selects took TVM's simplifier and LLVM build over
+    five minutes (each select's branches are simplified under its condition, which holds the
+    next select); fusion now stops at two, like it does for exp/tanh/erf."""
+    from codegen.cpu_math import MAX_NESTED_SELECTS, nested_selects
+
+    graph = _nested_where_graph()
+    if opt_level is not None:
+        program = run_passes(graph, target, stop="vertical", opt_level=opt_level).ir
+        assert max(nested_selects(body) for stage in program.stages() for body in stage.op.body) <= MAX_NESTED_SELECTS
+    x = np.array([0.3, -1.2, 2.0, -0.1, 0.7], dtype="float32")
+    w = graph.weights
+    first = np.where((x > w["low"]) | (x <= w["high"]), x, w["low"])
+    total = first.sum(-1, keepdims=True)
+    second = np.where(first != w["table"], first, w["table"])
+    want = np.where(second >= total, second, total)
+    got = souffle.compile(graph, target=target, opt_level=opt_level).run({"x": x})[0]
+    np.testing.assert_array_equal(got, want)
