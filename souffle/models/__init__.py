@@ -26,7 +26,7 @@ import numpy as np
 from souffle.errors import InputError, SouffleError, UnknownModelError, WeightError
 from souffle.graph import Graph
 
-MODELS = ("lstm", "bert", "resnext", "mmoe")
+MODELS = ("lstm", "bert", "resnext", "mmoe", "swin")
 
 __all__ = ["MODELS", "build", "config", "get", "make_inputs", "reference", "structure", "tolerance"]
 
