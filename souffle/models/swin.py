@@ -261,7 +261,8 @@ def _imported(key: tuple) -> Graph:
     cfg = _config(key)
     module = torch_module(cfg, init_weights(cfg, seed=0))
     example = torch.from_numpy(make_inputs(cfg, seed=0)["x"])
-    return from_torch(module, (example,))
+    graph = from_torch(module, (example,))
+    return Graph("swin", graph.inputs, graph.params.values(), graph.ops, graph.outputs, graph.weights)
 
 
 def torch_reference(cfg, weights):

@@ -313,18 +313,26 @@ def _roll(specs, attrs):
 def roll(inputs, shifts, axes):
     """torch.roll: element i of a rolled axis is element (i - shift) mod size of the input.
 
-    The wrap is a select, not a floormod: TVM 0.27's buffer flattening rewrites
-    ((f // 4 + 1) % 4) * 4 + (f % 4 + 1) % 4, a two-axis roll read in a fused loop f, to
-    (f + 4) % 16, which drops the second axis's shift."""
+    Each rolled axis is a choice between two affine reads, i - shift or i + size - shift, so the
+    analysis and the thread-level validator see exact accesses. A floormod index would be
+    quasi-affine too, but TVM 0.27's buffer flattening rewrites ((f // 4 + 1) % 4) * 4 +
+    (f % 4 + 1) % 4, a two-axis roll read in a fused loop f, to (f + 4) % 16, which drops the
+    second axis's shift."""
     x = inputs[0]
     shape = shape_of(x)
     amounts = _roll_amounts(shape, shifts, axes)
 
-    def wrapped(i, size: int, amount: int):
-        return tirx.Select(i >= amount, i - amount, i + (size - amount))
+    def read(rolled: list[int], index: list):
+        if not rolled:
+            return x(*index)
+        axis, rest = rolled[0], rolled[1:]
+        i, amount = index[axis], amounts[axis]
+        inside = index[:axis] + [i - amount] + index[axis + 1:]
+        wrapped = index[:axis] + [i + (shape[axis] - amount)] + index[axis + 1:]
+        return tirx.if_then_else(i >= amount, read(rest, inside), read(rest, wrapped))
 
     def element(*index):
-        return x(*(wrapped(i, shape[a], amounts[a]) if a in amounts else i for a, i in enumerate(index)))
+        return read(sorted(amounts), list(index))
 
     return te.compute(shape, element, name="T_roll", tag=topi.tag.INJECTIVE)
 
