@@ -235,10 +235,11 @@ def build_graph(cfg, weights) -> Graph:
 
     Besides the state_dict's weights the graph has the constants the import folded (the
     shifted windows' masks, named after the node that made them); they come with the import,
-    so ``weights`` needs only the state_dict's entries (the constants may be given too)."""
+    so ``weights`` needs only the state_dict's entries (the constants may be given too). Without
+    weights it is the structure alone, as ``souffle.models.structure`` promises."""
     graph = _imported(_config_key(cfg))
     if weights is None:
-        return graph
+        return Graph(graph.name, graph.inputs, graph.params.values(), graph.ops, graph.outputs)
     constants = {name: value for name, value in graph.weights.items() if name not in _param_shapes(cfg)}
     return graph.with_weights({**constants, **weights})
 
