@@ -178,6 +178,11 @@ OP_CASES = [
     ("reshape", [_f32(2, 3, 4)], {"shape": (4, -1)}),
     ("flatten", [_f32(2, 3, 4, 5)], {"start_dim": 1, "end_dim": 2}),
     ("full", [], {"shape": (2, 3), "value": 7, "dtype": "int32"}),
+    ("pad", [_f32(2, 3, 4)], {"before": (0, 1, 2), "after": (1, 0, 3), "value": -2.0}),
+    ("roll", [_f32(2, 5, 4)], {"shifts": (-2, 3), "axes": (1, 2)}),
+    ("roll", [_f32(3, 2)], {"shifts": 3, "axes": 0}),
+    ("take", [_f32(5, 3), np.array([[0, 4], [-2, 9]], dtype=np.int64)], {"axis": 0}),
+    ("take", [_f32(2, 6, 3), np.array([5, -1, 0, 2], dtype=np.int32)], {"axis": 1}),
 ]
 
 

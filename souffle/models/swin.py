@@ -29,8 +29,7 @@ CONFIGS = {
 
 IGNORED_SUFFIXES = ()
 
-# paper: 24 blocks of 1024-wide layer norms and 512-long softmax-free GEMM sums in fp32
-TOLERANCE = {"tiny": (1e-4, 1e-4), "paper": (1e-3, 1e-3)}
+TOLERANCE = {"tiny": (1e-4, 1e-4), "paper": (1e-4, 1e-4)}
 
 LAYER_NORM_EPS = 1e-5
 

@@ -370,10 +370,20 @@ def take(inputs, axis):
     raise, and a clamped index cannot read outside the tensor."""
     data, indices = inputs
     axis = normalize_axis(axis, len(data.shape))
-    size = shape_of(data)[axis]
-    wrapped = te.compute(indices.shape, lambda *i: tirx.Select(indices(*i) < 0, indices(*i) + size, indices(*i)),
-                         name="T_take_index", tag=topi.tag.ELEMWISE)
-    return topi.take(data, wrapped, axis=axis, mode="clip")
+    size, rank = shape_of(data)[axis], len(indices.shape)
+    dtype = str(indices.dtype)
+    zero, last, count = (tirx.const(v, dtype) for v in (0, size - 1, size))
+
+    def element(*i):
+        index = indices(*i[axis:axis + rank])
+        index = tirx.Select(index < zero, index + count, index)
+        # an int32 position, as every other axis's: an int64 one substituted into an inlined
+        # producer would meet its int32 arithmetic
+        position = tirx.Cast("int32", tirx.min(tirx.max(index, zero), last))
+        return data(*i[:axis], position, *i[axis + rank:])
+
+    shape = shape_of(data)[:axis] + shape_of(indices) + shape_of(data)[axis + 1:]
+    return te.compute(shape, element, name="T_take", tag=topi.tag.INJECTIVE)
 
 
 @export_rule("take")
