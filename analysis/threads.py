@@ -48,6 +48,7 @@ import tvm
 from tvm import tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds
 from tvm.tirx.build import split_host_device_mods
+from tvm_ffi import structural_equal
 
 from souffle.errors import ValidationError
 
@@ -241,7 +242,8 @@ class Converter:
         if isinstance(e, tirx.Cast):
             return self.form(e.value)
         if isinstance(e, tirx.Add):
-            return self.form(e.a) + self.form(e.b)
+            floor = self.c_floor_idiom(e)
+            return floor if floor is not None else self.form(e.a) + self.form(e.b)
         if isinstance(e, tirx.Sub):
             return self.form(e.a) - self.form(e.b)
         if isinstance(e, tirx.Mul):
@@ -270,6 +272,31 @@ class Converter:
             self.env[e.var] = self.form(e.value)
             return self.form(e.body)
         raise NonAffine(type(e).__name__)
+
+    def c_floor_idiom(self, e: tirx.Add) -> Form | None:
+        """floordiv(x, c) or floormod(x, c) where TVM lowered them for an x it cannot prove
+        non-negative (an offset index, i - 3 in one branch of a roll): C's truncating
+        ``x / c + (x % c >> 31)`` and ``x % c + (c & (x % c >> 31))``, exact for any sign of x;
+        None for any other sum."""
+        for first, second in ((e.a, e.b), (e.b, e.a)):
+            if not isinstance(first, (tirx.Div, tirx.Mod)) or not isinstance(first.b, tirx.IntImm):
+                continue
+            x, c = first.a, first.b.value
+            mask = second
+            if isinstance(first, tirx.Mod):
+                if not isinstance(second, tirx.BitwiseAnd):
+                    continue
+                pair = (second.a, second.b) if isinstance(second.a, tirx.IntImm) else (second.b, second.a)
+                if not (isinstance(pair[0], tirx.IntImm) and pair[0].value == c):
+                    continue
+                mask = pair[1]
+            sign_bit = tvm.DataType(str(x.ty.dtype)).bits - 1
+            if not (isinstance(mask, tirx.RShift) and isinstance(mask.b, tirx.IntImm) and mask.b.value == sign_bit
+                    and isinstance(mask.a, tirx.Mod) and isinstance(mask.a.b, tirx.IntImm) and mask.a.b.value == c
+                    and structural_equal(mask.a.a, x)):
+                continue
+            return (_floordiv if isinstance(first, tirx.Div) else _floormod)(self.form(x), c)
+        return None
 
     def condition(self, e) -> str:
         """An isl constraint template (``{s}`` for the variables' suffix)."""

@@ -12,7 +12,7 @@ import tvm
 from tvm import tirx
 
 import souffle
-from analysis.threads import validate_kernel
+from analysis.threads import Converter, Form, NonAffine, _floordiv, _floormod, validate_kernel
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.errors import SouffleError, ValidationError
@@ -144,3 +144,19 @@ def test_the_command_line_refuses_an_unsafe_kernel(capsys, without_block_barrier
 
     assert main(["compile", "mmoe", "--target", "cuda", "--validate", "--no-run"]) == 2
     assert "souffle: error: the CUDA kernel is not thread-safe:\n  kernel main_kernel: stage 0" in capsys.readouterr().err
+
+
+def test_c_floor_idioms_read_back_as_floor_division_and_modulo():
+    """TVM lowers floordiv and floormod of an index it cannot prove non-negative (a roll's i - 3)
+    to C's truncating forms with a sign correction; the validator reads them as what they compute."""
+    conv = Converter()
+    i = tirx.Var("i", "int32")
+    conv.env[i] = Form.atom("i")
+    x = i - 3
+    sign = tirx.RShift(tirx.Mod(x, 7), 31)
+    division = conv.form(tirx.Div(x, 7) + sign)
+    modulo = conv.form(tirx.Mod(x, 7) + tirx.BitwiseAnd(tirx.IntImm("int32", 7), sign))
+    assert division.render() == _floordiv(conv.form(x), 7).render()
+    assert modulo.render() == _floormod(conv.form(x), 7).render()
+    with pytest.raises(NonAffine, match="C division"):  # truncation alone is not floor division
+        conv.form(tirx.Div(x, 7) + tirx.RShift(tirx.Mod(x, 7), 30))
