@@ -231,6 +231,9 @@ class Converter:
     def __init__(self):
         self.env: dict = {}  # tirx.Var -> Form
         self.tiles: dict = {}  # (G, t_k) monomial -> tile variable
+        # numerators of C divisions taken as floor divisions, for the caller to prove >= 0 on its
+        # domain; None: such a division is refused
+        self.assumed: list | None = None
 
     def form(self, e) -> Form:
         if isinstance(e, tirx.IntImm):
@@ -256,7 +259,9 @@ class Converter:
             if c is None:
                 raise NonAffine(f"{type(e).__name__} by a variable")
             if isinstance(e, (tirx.Div, tirx.Mod)) and not _nonnegative(x):
-                raise NonAffine(f"a C division of {x.render()}, which may be negative")
+                if self.assumed is None:
+                    raise NonAffine(f"a C division of {x.render()}, which may be negative")
+                self.assumed.append(x)
             if isinstance(e, tirx.RShift):
                 return _floordiv(x, 2 ** c)
             if isinstance(e, tirx.BitwiseAnd):
@@ -729,18 +734,32 @@ class Walker:
                 self.kernel.stages[ctx.stage] = (tile, n, buffer.name)
 
     def index(self, e, ctx: Context, buffer):
+        self.conv.assumed = []
         try:
             if isinstance(e, tirx.Ramp):
                 lane = f"l{next(self.ids)}"
                 self.kernel.bounds[lane] = (0, e.lanes - 1)
                 form = self.conv.form(e.base) + _times(self.conv.form(e.stride), Form.atom(lane), {})
-                return form, ctx.variables + [lane], ctx.domain + [f"0 <= {lane}{{s}} < {e.lanes}"]
-            form = self.conv.form(e)
-            form.render()
-            return form, ctx.variables, ctx.domain
+                found = form, ctx.variables + [lane], ctx.domain + [f"0 <= {lane}{{s}} < {e.lanes}"]
+            else:
+                form = self.conv.form(e)
+                form.render()
+                found = form, ctx.variables, ctx.domain
+            self.check_divisions(self.conv.assumed, found[1], found[2])
+            return found
         except NonAffine as why:
             self.kernel.notes.append(f"{buffer.name}: index {e} not affine ({why}): any element")
             return None
+        finally:
+            self.conv.assumed = None
+
+    def check_divisions(self, numerators: list, variables: list, domain: list):
+        """A C division or remainder is the floor one where its numerator is >= 0. TVM leaves one
+        plain where an enclosing condition proves that (the branch i >= 3 of a roll reading
+        (i - 3) / 7), so the access's domain, conditions included, must prove it too."""
+        for x in numerators:
+            if not _is_empty(_set(self.kernel.params, [(variables, domain, "_a")], [f"{x.render('_a')} < 0"])):
+                raise NonAffine(f"a C division of {x.render()}, which may be negative")
 
 
 @dataclass
