@@ -236,11 +236,8 @@ def build_graph(cfg, weights) -> Graph:
     shifted windows' masks, named after the node that made them); they come with the import,
     so ``weights`` needs only the state_dict's entries (the constants may be given too). Without
     weights it is the structure alone, as ``souffle.models.structure`` promises."""
-    graph = _imported(_config_key(cfg))
-    if weights is None:
-        return Graph(graph.name, graph.inputs, graph.params.values(), graph.ops, graph.outputs)
-    constants = {name: value for name, value in graph.weights.items() if name not in _param_shapes(cfg)}
-    return graph.with_weights({**constants, **weights})
+    structure, constants = _imported(_config_key(cfg))
+    return structure if weights is None else structure.with_weights({**constants, **weights})
 
 
 def _config_key(cfg) -> tuple:
@@ -253,16 +250,18 @@ def _config(key: tuple) -> dict:
 
 
 @functools.lru_cache(maxsize=2)
-def _imported(key: tuple) -> Graph:
-    """The module of one configuration imported once: ``--check`` builds the graph twice (the
-    model and its reference's weights), and swin_b's import takes a while."""
+def _imported(key: tuple) -> tuple[Graph, dict[str, np.ndarray]]:
+    """The module of one configuration imported once (``--check`` builds the graph twice, and
+    swin_b's import takes half a minute): the graph without weights, and the folded constants."""
     import torch
 
     cfg = _config(key)
     module = torch_module(cfg, init_weights(cfg, seed=0))
     example = torch.from_numpy(make_inputs(cfg, seed=0)["x"])
     graph = from_torch(module, (example,))
-    return Graph("swin", graph.inputs, graph.params.values(), graph.ops, graph.outputs, graph.weights)
+    state = _param_shapes(cfg)
+    constants = {name: value for name, value in graph.weights.items() if name not in state}
+    return Graph("swin", graph.inputs, graph.params.values(), graph.ops, graph.outputs), constants
 
 
 def torch_reference(cfg, weights):
