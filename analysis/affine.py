@@ -355,6 +355,21 @@ _BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx
            tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
 
 
+def _same_index_dtype(a, b):
+    """``a`` and ``b`` with the narrower integer one widened: a substituted variable may carry a
+    wider index (int64 ids from an embedding) than the int32 constants of the body it lands in."""
+    a_type, b_type = str(a.ty), str(b.ty)
+    if a_type == b_type or not (_is_scalar_int(a_type) and _is_scalar_int(b_type)):
+        return a, b
+    if int(a_type[3:]) < int(b_type[3:]):
+        return tirx.Cast(b_type, a), b
+    return a, tirx.Cast(a_type, b)
+
+
+def _is_scalar_int(dtype: str) -> bool:
+    return dtype.startswith("int") and dtype[3:].isdigit()
+
+
 class Rewriter:
     """Rebuilds a TE expression with variables replaced and each tensor load passed to ``on_load``.
 
@@ -373,7 +388,7 @@ class Rewriter:
         if isinstance(e, (tirx.IntImm, tirx.FloatImm, tvm.ir.expr.StringImm)):
             return e
         if isinstance(e, _BINARY):
-            return type(e)(self(e.a), self(e.b))
+            return type(e)(*_same_index_dtype(self(e.a), self(e.b)))
         if isinstance(e, tirx.Not):
             return tirx.Not(self(e.a))
         if isinstance(e, tirx.Select):

@@ -814,24 +814,47 @@ def _set(params: list, variables_and_domains: list, extra: list | None = None) -
 
 
 _EMPTY: dict = {}  # canonical isl text -> whether the set is empty (stages repeat: layers, experts)
+_ADDRESSES: dict = {}  # canonical isl text -> the bytes an access touches, an isl set
 
 
-def _is_empty(text: str) -> bool:
-    """Whether the set ``text`` is empty, its variables renamed by position so that the same
-    question about another copy of a stage is answered once."""
+def _canonical(text: str) -> str:
+    """``text`` with its set variables renamed by position, so that the same question about
+    another copy of a stage is answered once."""
     head, _, body = text.partition("] : ")
     names = head[head.rindex("[") + 1:].split(", ") if "[" in head else []
     rename = {name: f"v{k}" for k, name in enumerate(names) if name}
-    if rename:
-        pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(rename, key=len, reverse=True))) + r")\b")
-        canonical = pattern.sub(lambda m: rename[m.group(1)], text)
-    else:
-        canonical = text
-    if canonical not in _EMPTY:
-        if len(_EMPTY) > 100_000:
-            _EMPTY.clear()
-        _EMPTY[canonical] = isl.Set(canonical).is_empty()
-    return _EMPTY[canonical]
+    if not rename:
+        return text
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(rename, key=len, reverse=True))) + r")\b")
+    return pattern.sub(lambda m: rename[m.group(1)], text)
+
+
+def _cached(cache: dict, text: str, compute):
+    canonical = _canonical(text)
+    if canonical not in cache:
+        if len(cache) > 100_000:
+            cache.clear()
+        cache[canonical] = compute(canonical)
+    return cache[canonical]
+
+
+def _is_empty(text: str) -> bool:
+    """Whether the set ``text`` is empty."""
+    return _cached(_EMPTY, text, lambda canonical: isl.Set(canonical).is_empty())
+
+
+def _touched_bytes(params: list, a: Access) -> isl.Set:
+    """The bytes ``a`` touches over its whole domain (first bytes, widened by its width), a
+    one-dimensional set: two accesses whose sets do not meet cannot race, and comparing them
+    is far cheaper than the race question itself, whose isl parse costs about a millisecond."""
+    text = _set(params, [(a.variables, a.domain, "_a"), (["byte"], [], "")],
+                [f"{_address(a, '_a')} <= byte <= {_address(a, '_a')} + {a.width - 1}"])
+
+    def compute(canonical: str) -> isl.Set:
+        touched = isl.Set(canonical)
+        return touched.project_out(isl.dim_type.set, 0, touched.dim(isl.dim_type.set) - 1)
+
+    return _cached(_ADDRESSES, text, compute)
 
 
 def _point(found: str | isl.Set) -> dict:
@@ -886,6 +909,7 @@ class Checker:
         self.kernel = kernel
         self.warps = warps
         self.violations: list[str] = []
+        self.touched: dict = {}  # id(access) -> _touched_bytes
 
     def describe(self, a: Access, point: dict, suffix: str) -> str:
         block = point.get(a.block + suffix)
@@ -922,7 +946,7 @@ class Checker:
                 outside.append((f"({index} < 0 or {index} >= {a.memory.extent})", f"its {a.memory.extent} elements"))
             low, high = _interval(a, variable_bounds)
             if a.memory.offset is not None and a.memory.root_bytes is not None and not (
-                    0 <= low and high < a.memory.root_bytes):
+                    0 <= low and high < a.memory.root_bytes) and not self.touched_within(a, a.memory.root_bytes):
                 address = _address(a, "_a")
                 outside.append((f"({address} < 0 or {address} + {a.width} > {a.memory.root_bytes})",
                                 f"the {a.memory.root_bytes} bytes of its allocation"))
@@ -1002,6 +1026,21 @@ class Checker:
                         if len(self.violations) >= REPORTED:  # enough to refuse the kernel and say why
                             return
 
+    def touched_bytes(self, a: Access) -> isl.Set:
+        if id(a) not in self.touched:
+            self.touched[id(a)] = _touched_bytes(self.kernel.params, a)
+        return self.touched[id(a)]
+
+    def apart(self, a: Access, b: Access) -> bool:
+        """Whether ``a`` and ``b`` touch no byte in common, whichever threads run them."""
+        if a.index is None or b.index is None or a.memory.offset is None or b.memory.offset is None:
+            return False
+        return self.touched_bytes(a).intersect(self.touched_bytes(b)).is_empty()
+
+    def touched_within(self, a: Access, size: int) -> bool:
+        """Whether every byte ``a`` touches lies in [0, ``size``) (the set races reuse)."""
+        return self.touched_bytes(a).is_subset(isl.Set(f"{{ [byte] : 0 <= byte < {size} }}"))
+
     def same_thread_only(self, a: Access, b: Access) -> bool:
         """Whether ``a`` and ``b`` reach the same bytes only from the same thread of the same
         tile: one address function of (tile, threadIdx.y, threadIdx.x) alone, injective (mixed
@@ -1057,7 +1096,7 @@ class Checker:
                 else:
                     constraints.append(f"{a.block}_a != {b.block}_b")
                 ways.append((kind, relation, case, constraints))
-        if not ways:
+        if not ways or self.apart(a, b):
             return None
         common = []
         if a.index is not None and b.index is not None and a.memory.offset is not None and b.memory.offset is not None:

@@ -446,12 +446,22 @@ def _inline_epilogues(sch: s_tir.Schedule, write_back):
         if len(consumers) != 1 or _is_reduction(sch, consumers[0]):
             return
         buffer = sch.get(write_back).writes[0].source
-        if not _reads_each_element_once(sch, consumers[0], buffer):
+        if not _reads_each_element_once(sch, consumers[0], buffer) or _nests_too_deep(sch, write_back, consumers[0]):
             return
         try:
             sch.reverse_compute_inline(consumers[0])
         except s_tir.ScheduleError:
             return
+
+
+def _nests_too_deep(sch: s_tir.Schedule, write_back, consumer) -> bool:
+    """Whether folding ``consumer`` would nest more expanded calls (exp, tanh, erf, ...) in the
+    write-back than the code generator builds in reasonable time (see ``cpu_math``): a GEMM
+    followed by silu, silu, gelu_tanh and sigmoid, folded into one store, took LLVM minutes."""
+    value, consumer_value = _stored_value(sch, write_back), _stored_value(sch, consumer)
+    if value is None or consumer_value is None:
+        return True
+    return nested_expanded_calls(value) + nested_expanded_calls(consumer_value) > MAX_NESTED_EXPANDED_CALLS
 
 
 def _reads_each_element_once(sch: s_tir.Schedule, consumer, buffer: tirx.Buffer) -> bool:

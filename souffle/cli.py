@@ -113,6 +113,20 @@ def _check_writable_file(path: str, option: str):
         raise SouffleError(f"{option} {path}: directory {str(file.parent)!r} does not exist")
 
 
+CONFIG_HELP = ("tiny (tests), paper (the paper's sizes), or a JSON object of overrides of tiny, "
+               "e.g. '{\"batch\": 2, \"attention_mask\": \"int64\"}'")
+
+
+def _model_config(text: str):
+    """--config: a config name, or a JSON object of overrides of "tiny" (``souffle.models``)."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not a JSON object of config overrides: {err}") from None
+
+
 def _analyze(args) -> int:
     from analysis import analyze
     from analysis.device import get_device
@@ -143,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     compile_cmd.add_argument("model", help=f"one of: {', '.join(MODELS)}; or an ONNX file (model.onnx)")
     compile_cmd.add_argument("--input-shape", metavar="NAME=D1,D2,...", action="append", default=[],
                              help="static shape of an ONNX input whose shape is symbolic (repeatable)")
-    compile_cmd.add_argument("--config", default="tiny", help="tiny (tests) or paper (the paper's sizes)")
+    compile_cmd.add_argument("--config", default="tiny", type=_model_config, help=CONFIG_HELP)
     compile_cmd.add_argument("--target", default="llvm",
                              help="llvm (CPU), cuda (one persistent kernel; running needs a GPU), "
                                   "llvm-persistent (the CUDA kernel's stages run on the CPU), or cuda-emulated (the "
@@ -178,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     analyze_cmd = commands.add_parser(
         "analyze", help="classify every TE's dependences, reuse, FLOPs and bytes (the global analysis)")
     analyze_cmd.add_argument("model", help=f"one of: {', '.join(MODELS)}")
-    analyze_cmd.add_argument("--config", default="tiny", help="tiny (tests) or paper (the paper's sizes)")
+    analyze_cmd.add_argument("--config", default="tiny", type=_model_config, help=CONFIG_HELP)
     analyze_cmd.add_argument("--device", default="h200", help="device model for the roofline: h200, a100 or cpu")
     analyze_cmd.add_argument("--json", action="store_true", help="print every TE and the summary as JSON")
     analyze_cmd.set_defaults(run=_analyze)

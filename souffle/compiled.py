@@ -166,6 +166,7 @@ class CompiledModel:
         level = passes.options.opt_level
         if level is not None:
             report.extra["opt level"] = f"O{level}: {passes.pipeline.levels[level]}"
+        report.extra.update({f"weights note {k + 1}": note for k, note in enumerate(self.graph.weight_notes)})
         report.extra.update({f"transform {k + 1}": line for k, line in enumerate(self.transforms)})
         report.extra.update({f"on chip {k + 1}": note for k, note in enumerate(self.on_chip_notes)})
         report.extra.update({"partition": note.replace("\n", "\n" + " " * 15) for note in passes.notes("partition")})

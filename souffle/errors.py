@@ -60,3 +60,8 @@ class UnsupportedOpError(ModelImportError):
 class ValidationError(SouffleError, RuntimeError):
     """A kernel the thread-level validator (``analysis.threads``) refuses: a race, a missed or
     doubly written element, a barrier not every thread reaches, or a launch it does not fit."""
+
+
+class ConfigError(SouffleError, ValueError):
+    """A model configuration souffle cannot build as given: an unknown key, a value of the wrong
+    type or range, or a setting (an activation, ``bias=False``) the model does not implement."""

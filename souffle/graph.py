@@ -95,7 +95,9 @@ class Graph:
     ``weights`` holds the parameter arrays of a top-level graph (a scan body has
     parameter specs only: its values come from the scan's stacked weights). ``recipes`` says,
     for a weight a transformation derived at compile time, how it is made from the model's
-    own weights (``souffle.recipe``); a weight without one is the model's own.
+    own weights (``souffle.recipe``); a weight without one is the model's own. ``weight_notes``
+    says how the given weights were taken (dtype conversions, keys a loader dropped); the
+    compile report prints them.
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class Graph:
         self.tensors: dict[str, TensorSpec] = {}
         self.producer: dict[str, Op | Scan] = {}
         self._validate()
+        self.weight_notes: tuple[str, ...] = ()
         self.weights = None if weights is None else self._checked_weights(weights)
         self.recipes = dict(recipes or {})
 
@@ -178,12 +181,17 @@ class Graph:
                 parts.append(f"unexpected {len(extra)}: {_short_list(extra)}")
             raise WeightError(f"weights for {self.name!r} do not match its parameters ({'; '.join(parts)})")
         checked = {}
+        conversions: dict[tuple[str, str], int] = {}
         for name, spec in self.params.items():
             where = f"weight {name!r} of {self.name!r}"
             array, source = _weight_array(weights[name], where)
             if tuple(array.shape) != spec.shape:
                 raise WeightError(f"{where} has shape {tuple(array.shape)}, expected {spec.shape}")
             checked[name] = _owned_weight(array, source, np.dtype(spec.dtype), where)
+            if source != spec.dtype:
+                conversions[source, spec.dtype] = conversions.get((source, spec.dtype), 0) + 1
+        self.weight_notes = tuple(_conversion_note(source, dtype, count)
+                                  for (source, dtype), count in sorted(conversions.items()))
         return checked
 
     # -- convenience ------------------------------------------------------------------------
@@ -215,6 +223,20 @@ class Graph:
         lines += [f"  {op}" for op in self.ops]
         lines.append(f"  return {', '.join(self.outputs)}")
         return "\n".join(lines)
+
+
+def _conversion_note(source: str, dtype: str, count: int) -> str:
+    """How ``count`` weights given as ``source`` became the parameters' ``dtype``; a float narrowed
+    to a smaller float is rounded to nearest (``_lost_values`` refuses only a value that overflows)."""
+    rounded = dtype.startswith("float") and np.dtype(dtype).itemsize < _itemsize(source)
+    return f"{count} tensor{'s' if count > 1 else ''} converted {source} -> {dtype}" + \
+        (" (rounded to nearest)" if rounded else "")
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a numpy or torch dtype name (torch's bfloat16 and float8 have no numpy dtype)."""
+    sizes = {"bfloat16": 2}
+    return sizes[dtype] if dtype in sizes else 1 if dtype.startswith("float8") else np.dtype(dtype).itemsize
 
 
 def _is_torch_tensor(value) -> bool:

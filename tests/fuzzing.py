@@ -445,6 +445,38 @@ def _expand(p: Proposal, x):
     p.op("expand", [x.name], shape=shape)
 
 
+def _masked(kind: str):
+    """where(kind(x, y), x, y): a comparison's mask (1 where true) picks between its operands."""
+
+    def make(p: Proposal, x):
+        other = p.operand(x.shape)
+        (mask,) = p.op(kind, [x.name, other])
+        p.op("where", [mask, x.name, other])
+
+    make.__doc__ = f"where({kind}(x, y), x, y), y broadcasting with x."
+    return make
+
+
+def _logical(kind: str):
+    """where(kind(x > y, x <= z), x, y): masks combined, then picking between x and y."""
+
+    def make(p: Proposal, x):
+        other = p.operand(x.shape)
+        masks = p.op("gt", [x.name, other])
+        if kind != "logical_not":
+            masks += p.op("le", [x.name, p.operand(x.shape)])
+        (mask,) = p.op(kind, list(masks))
+        p.op("where", [mask, x.name, other])
+
+    make.__doc__ = f"where({kind}(x > y[, x <= z]), x, y)."
+    return make
+
+
+def _where(p: Proposal, x):
+    """where(x, y, x): a float condition is true where it is nonzero."""
+    p.op("where", [x.name, p.operand(x.shape), x.name])
+
+
 def _embedding(p: Proposal, x):
     """Rows of a weight table, or of x itself when it is 2-D, picked by int32 or int64 ids."""
     if len(x.shape) == 2 and p.coin():
@@ -544,6 +576,9 @@ MAKERS: dict[str, Callable[[Proposal, object], None]] = {
     **{kind: _bounded(kind) for kind in ("exp", "pow")},
     **{kind: _positive(kind) for kind in ("log", "sqrt", "rsqrt")},
     "clamp": _clamp, "cast": _cast, "expand": _expand, "sum": _sum,
+    **{kind: _masked(kind) for kind in ("eq", "ne", "lt", "le", "gt", "ge")},
+    **{kind: _logical(kind) for kind in ("logical_and", "logical_or", "logical_not")},
+    "where": _where,
 }
 # The ranks of the tensor a maker reads, where it needs some: the generator picks its operand
 # among the tensors of those ranks.
@@ -727,6 +762,9 @@ REFERENCE: dict[str, Callable] = {
     "cast": lambda x, dtype: x.clone(),
     "expand": lambda x, shape: x.expand(*_ints(shape)),
     "sum": lambda x, axes, keepdims: x.sum(_all_axes(axes, x.dim()), keepdim=keepdims),
+    **{kind: getattr(torch, kind) for kind in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
+                                               "logical_not")},
+    "where": lambda condition, a, b: torch.where(condition != 0, a, b),
 }
 
 

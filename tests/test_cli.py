@@ -43,6 +43,7 @@ def test_explain_prints_graph_and_te_program(capsys):
     (["compile", "mmoe", "--repeat", "0"], "--repeat is the number of timed runs: it must be at least 1, got 0"),
     (["compile", "mmoe", "--seed", "-1"],
      "seed must be a non-negative integer (numpy's random generator takes no other), got -1"),
+    (["compile", "bert", "--config", '{"layerz": 2}'], "unknown config key 'layerz' for model 'bert'; allowed keys: "),
 ])
 def test_bad_arguments_exit_2_with_a_reason(capsys, argv, message):
     assert main(argv) == 2
@@ -145,3 +146,16 @@ def test_print_after_prints_that_pass_ir(capsys):
 def test_passes_prints_each_targets_pipeline(capsys):
     assert main(["passes", "--target", "cuda"]) == 0
     assert capsys.readouterr().out == CUDA.describe() + "\n"
+
+
+def test_a_json_config_overrides_tiny(capsys):
+    config = '{"batch": 2, "attention_mask": "int64", "token_type_ids": true}'
+    assert main(["compile", "bert", "--config", config, "--check", "--repeat", "1"]) == 0
+    assert "check          PASS" in capsys.readouterr().out
+
+
+def test_a_config_that_is_not_json_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compile", "bert", "--config", '{"layers": 2'])
+    assert exit_info.value.code == 2
+    assert "argument --config: not a JSON object of config overrides" in capsys.readouterr().err

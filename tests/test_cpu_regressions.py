@@ -307,3 +307,62 @@ def test_vertical_nests_at_most_two_transcendental_calls():
     depths = [nested_expanded_calls(body) for stage in program.stages() for body in stage.op.body]
     assert max(depths) == MAX_NESTED_EXPANDED_CALLS == 2
     assert len(depths) == 3
+
+
+@pytest.mark.parametrize("opt_level", [0, 2, 4])
+def test_a_flattened_table_looked_up_by_int64_ids_compiles(opt_level):
+    """Vertical fusion substitutes the embedding's int64 ids into the flatten's int32 index
+    arithmetic (fuzz seed 1795427230); TVM refuses ``floormod(int64, int32)``, so the
+    substitution widens the narrower side."""
+    b = GraphBuilder("flattened_table")
+    b.input("x", (33, 3, 4))
+    b.input("ids", (2, 2), "int64")
+    b.op("relu", "x", name="table3d")
+    b.op("flatten", "table3d", name="table", start_dim=0, end_dim=1)
+    b.op("embedding", "table", "ids", name="rows")
+    graph = b.build("rows")
+    x = np.random.default_rng(0).standard_normal((33, 3, 4)).astype("float32")
+    ids = np.array([[0, 98], [50, 7]], dtype="int64")
+    got = souffle.compile(graph, target="llvm-persistent", opt_level=opt_level).run({"x": x, "ids": ids})[0]
+    np.testing.assert_array_equal(got, np.maximum(x, 0).reshape(99, 4)[ids])
+
+
+def _stores(stmt) -> list:
+    """Every BufferStore under ``stmt``."""
+    if isinstance(stmt, tirx.BufferStore):
+        return [stmt]
+    if isinstance(stmt, tirx.SeqStmt):
+        return [store for child in stmt.seq for store in _stores(child)]
+    found = []
+    for name in ("body", "then_case", "else_case", "block"):
+        child = getattr(stmt, name, None)
+        if isinstance(child, tirx.Stmt):
+            found += _stores(child)
+    return found
+
+
+def test_a_gemm_write_back_nests_at_most_two_transcendental_calls():
+    """Fuzz seed 1795427319: a dense followed by silu, silu, gelu_tanh and sigmoid, all folded
+    into the GEMM's write-back, nested seven expanded calls and took LLVM over five minutes;
+    the write-back fold now stops at the same depth as the element-wise inlining."""
+    from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, nested_expanded_calls
+
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("gemm_then_activations")
+    b.input("x", (8, 16))
+    b.param("w", rng.standard_normal((8, 16)).astype("float32"))
+    b.op("dense", "x", "w", name="y")
+    for i, kind in enumerate(("silu", "silu", "gelu_tanh", "sigmoid")):
+        b.op(kind, "y" if i == 0 else f"a{i - 1}", name=f"a{i}")
+    graph = b.build("a3")
+    stitched = run_passes(graph, "llvm", stop="stitch").ir
+    depths = [nested_expanded_calls(store.value) for store in _stores(stitched.func.body)]
+    assert depths and max(depths) <= MAX_NESTED_EXPANDED_CALLS, depths
+    x = rng.standard_normal((8, 16)).astype("float32")
+    got = souffle.compile(graph, target="llvm").run({"x": x})[0]
+    import torch
+
+    y = torch.from_numpy(x.astype(np.float64)) @ torch.from_numpy(graph.weights["w"].astype(np.float64)).T
+    y = torch.sigmoid(torch.nn.functional.gelu(torch.nn.functional.silu(torch.nn.functional.silu(y)),
+                                               approximate="tanh"))
+    np.testing.assert_allclose(got, y.numpy(), rtol=1e-5, atol=1e-6)

@@ -2,15 +2,18 @@
 configuration: equal to PyTorch at fp32, and the transforms fire as on the hand-built models
 (horizontal fusion of BERT's Q/K/V, the LSTM wavefront), with the same kernel counts."""
 
+import io
+
 import numpy as np
 import pytest
+from model_checks import run_poisoned
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import souffle  # noqa: E402
 from souffle import models  # noqa: E402
-from souffle.errors import UnsupportedOpError  # noqa: E402
+from souffle.errors import ModelImportError  # noqa: E402
 
 RTOL = ATOL = 1e-4
 
@@ -54,13 +57,106 @@ def test_hugging_face_bert_with_token_types_fuses_q_k_v_like_the_hand_built_one(
     assert imported.report().kernels == hand_built.report().kernels == 1
 
 
-def test_hugging_face_bert_attention_mask_is_refused_at_its_source_line():
-    """Hugging Face builds the padding mask as a bool tensor, a dtype souffle does not compute yet."""
+def _padded_batch(cfg):
+    """Two sequences, the second padded after 5 tokens, with token types 0 then 1."""
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg["vocab"], (2, cfg["seq"]), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    token_types = torch.zeros_like(ids)
+    token_types[:, cfg["seq"] // 2:] = 1
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": token_types}
+
+
+def _compare_poisoned(graph, reference, inputs: dict, target):
+    compiled = souffle.compile(graph, target=target)
+    got = run_poisoned(compiled, {k: v.numpy() for k, v in inputs.items()})
+    with torch.no_grad():
+        result = reference(**inputs)
+    want = [result.last_hidden_state, result.pooler_output]
+    assert len(got) == len(want)
+    for name, value, expected in zip(graph.outputs, got, want):
+        np.testing.assert_allclose(value, expected.numpy(), rtol=RTOL, atol=ATOL, err_msg=f"{target} {name}")
+    return got
+
+
+def test_hugging_face_bert_padded_batch_with_attention_mask_matches_at_every_position():
+    """Hugging Face builds the padding mask from bool tensors (a cast, an index by aranges, and,
+    where); they import as int32 masks, and a padded batch equals BertModel at padded positions
+    and the others."""
     bert, cfg = _hugging_face_bert()
-    ids = torch.zeros((1, cfg["seq"]), dtype=torch.int64)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
-    with pytest.raises(UnsupportedOpError, match=r"aten\._to_copy\.default.*modeling_bert\.py.*dtype 'bool'"):
-        souffle.from_torch(bert, inputs)
+    inputs = _padded_batch(cfg)
+    graph = souffle.from_torch(bert, inputs)
+    assert [(s.name, s.dtype) for s in graph.inputs] == [
+        ("input_ids", "int64"), ("attention_mask", "int64"), ("token_type_ids", "int64")]
+    kinds = {op.kind for op in graph.ops}
+    assert {"ne", "where"} <= kinds
+    for target in ("llvm", "llvm-persistent"):
+        padded = _compare_poisoned(graph, bert, inputs, target)[0]
+    unmasked = souffle.compile(graph, target="llvm").run(
+        {**{k: v.numpy() for k, v in inputs.items()}, "attention_mask": np.ones((2, cfg["seq"]), np.int64)})[0]
+    assert np.abs(padded[1] - unmasked[1]).max() > 1e-2  # the mask is read
+
+
+def test_hugging_face_bert_with_attention_mask_through_onnx_matches():
+    onnx = pytest.importorskip("onnx")
+    bert, cfg = _hugging_face_bert()
+    inputs = _padded_batch(cfg)
+
+    class Outputs(nn.Module):
+        """BertModel's two outputs as a tuple, positional inputs: what the TorchScript exporter takes."""
+
+        def __init__(self):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            result = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return result.last_hidden_state, result.pooler_output
+
+    buffer = io.BytesIO()
+    torch.onnx.export(Outputs().eval(), tuple(inputs.values()), buffer, dynamo=False, opset_version=17,
+                      input_names=list(inputs), output_names=["last_hidden_state", "pooler_output"])
+    model = onnx.load_from_string(buffer.getvalue())
+    assert {"Cast", "Where", "Equal"} <= {node.op_type for node in model.graph.node}
+    graph = souffle.from_onnx(model)
+    assert [s.name for s in graph.inputs] == list(inputs)
+    _compare_poisoned(graph, bert, inputs, "llvm")
+
+
+class LSTMWithState(nn.Module):
+    """An nn.LSTM called with an initial state, as a user passes h0 and c0."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.lstm = nn.LSTM(12, 16, 3, bias=bias)
+
+    def forward(self, x, h0, c0):
+        return self.lstm(x, (h0, c0))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_lstm_with_h0_c0_and_without_biases_matches(bias):
+    torch.manual_seed(0)
+    module = LSTMWithState(bias).eval()
+    generator = torch.Generator().manual_seed(3)
+    x, h0, c0 = (torch.randn(shape, generator=generator) for shape in ((5, 2, 12), (3, 2, 16), (3, 2, 16)))
+    graph = souffle.from_torch(module, (x, h0, c0))
+    assert [s.name for s in graph.inputs] == ["x", "h0", "c0"]
+    assert any(name.startswith("lstm.bias") for name in graph.params) == bias
+    for target in ("llvm", "llvm-persistent"):
+        got = run_poisoned(souffle.compile(graph, target=target), {"x": x.numpy(), "h0": h0.numpy(), "c0": c0.numpy()})
+        with torch.no_grad():
+            output, (h_n, c_n) = module(x, h0, c0)
+        for value, expected in zip(got, [output, h_n, c_n]):
+            np.testing.assert_allclose(value, expected.numpy(), rtol=RTOL, atol=ATOL, err_msg=target)
+
+
+def test_lstm_without_biases_keeps_the_wavefront():
+    lstm = nn.LSTM(12, 16, 3, bias=False).eval()
+    x = torch.randn(5, 1, 12)
+    imported = _compare(souffle.from_torch(lstm, (x,)), lstm, {"input": x}, "llvm-persistent")
+    assert any(line.startswith("wavefront:") for line in imported.transforms)
 
 
 def test_lstm_kernels_equal_the_hand_built_model():
@@ -111,3 +207,40 @@ def test_resnext_module_with_torchvision_names_imports_and_matches():
     image = torch.from_numpy(models.make_inputs("resnext", "tiny", seed=1)["x"])
     graph = souffle.from_torch(module, (image,))
     _compare(graph, module, {"x": image})
+
+
+def test_a_bool_input_is_refused_with_what_to_pass_instead():
+    class Masked(nn.Module):
+        def forward(self, x, mask):
+            return x.masked_fill(~mask, 0.0)
+
+    x = torch.randn(2, 3)
+    with pytest.raises(ModelImportError, match="input 'mask' is bool; .* pass the mask as int64 0s and 1s"):
+        souffle.from_torch(Masked(), (x, torch.ones(2, 3, dtype=torch.bool)))
+
+
+def test_masked_fill_by_a_mask_made_from_an_int_input_matches():
+    class Masked(nn.Module):
+        def forward(self, x, mask):
+            return x.masked_fill(~mask.bool(), float("-inf")).softmax(-1) * (mask > 0)
+
+    x = torch.randn(2, 4)
+    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]])
+    graph = souffle.from_torch(Masked(), (x, mask))
+    got = run_poisoned(souffle.compile(graph, target="llvm"), {"x": x.numpy(), "mask": mask.numpy()})[0]
+    np.testing.assert_allclose(got, Masked()(x, mask).numpy(), rtol=RTOL, atol=ATOL)
+
+
+def test_indexing_by_constant_indices_gathers_and_bool_where_branches_stay_masks():
+    class Picked(nn.Module):
+        def forward(self, x, mask):
+            keep = torch.where(mask > 1, mask > 0, mask < 0)  # bool branches
+            order = torch.arange(4).flip(0) % 3  # [0, 2, 1, 0]: indices computed from constants
+            return x[:, order] * keep[:, :4]
+
+    x = torch.randn(2, 5)
+    mask = torch.tensor([[2, 1, 0, 2, 1], [0, 2, 2, 1, 0]])
+    graph = souffle.from_torch(Picked(), (x, mask))
+    assert "embedding" in {op.kind for op in graph.ops}  # a gather: the indices are no mere layout
+    got = run_poisoned(souffle.compile(graph, target="llvm"), {"x": x.numpy(), "mask": mask.numpy()})[0]
+    np.testing.assert_allclose(got, Picked()(x, mask).numpy(), rtol=RTOL, atol=ATOL)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from souffle import models
-from souffle.errors import InputError, SouffleError, UnknownModelError, WeightError
+from souffle.errors import ConfigError, InputError, SouffleError, UnknownModelError, WeightError
 from souffle.graph import Graph
 
 
@@ -160,3 +160,70 @@ def test_reference_without_torch_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(SouffleError, match=r"pip install torch==2\.13\.0"):
         models.reference("lstm", "tiny", models.build("lstm").weights)
+
+
+def test_a_dict_config_overrides_tiny():
+    graph = models.build("bert", {"layers": 3, "seq": 4})
+    assert graph.inputs[0].shape == (1, 4)
+    assert sum(name.endswith("attention.self.query.weight") for name in graph.params) == 3
+    assert models.config("lstm", {"hidden_size": 8}) == {**models.config("lstm", "tiny"), "hidden_size": 8}
+    assert models.tolerance("bert", {"layers": 1}) == (1e-3, 1e-3)  # the loosest named config's
+
+
+@pytest.mark.parametrize("name", models.MODELS)
+def test_an_unknown_config_key_is_named_with_the_allowed_ones(name):
+    allowed = ", ".join(sorted(models.config(name)))
+    with pytest.raises(ConfigError, match=rf"unknown config key 'sizes' for model '{name}'; allowed keys: {re.escape(allowed)}"):
+        models.build(name, {"sizes": 3})
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"num_layers": 0}, "'num_layers' of model 'lstm' must be a positive integer, got 0"),
+    ({"hidden_size": 2.0}, "'hidden_size' of model 'lstm' must be a positive integer, got 2.0"),
+    ({"bias": 1}, "'bias' of model 'lstm' must be True or False, got 1"),
+])
+def test_a_config_value_of_the_wrong_kind_is_refused(config, message):
+    with pytest.raises(ConfigError, match=message):
+        models.build("lstm", config)
+
+
+def test_a_config_of_another_type_is_refused():
+    with pytest.raises(ConfigError, match="must be a name .* not a int"):
+        models.build("mmoe", 3)
+
+
+@pytest.mark.parametrize("config", [{"bias": False}, {"initial_state": True}, {"bias": False, "initial_state": True,
+                                                                               "num_layers": 2, "batch": 2}])
+def test_lstm_without_biases_or_with_an_initial_state_matches_torch(config):
+    pytest.importorskip("torch")
+    import souffle
+    from model_checks import run_poisoned
+
+    graph = models.build("lstm", config, seed=2)
+    cfg = models.config("lstm", config)
+    assert [s.name for s in graph.inputs] == ["x"] + (["h0", "c0"] if cfg["initial_state"] else [])
+    assert any(name.startswith("bias") for name in graph.params) == cfg["bias"]
+    inputs = models.make_inputs("lstm", config, seed=1)
+    want = models.reference("lstm", config, graph.weights)(inputs)
+    for target in ("llvm", "llvm-persistent"):
+        got = run_poisoned(souffle.compile(graph, target=target), inputs)
+        for value, expected in zip(got, want):
+            np.testing.assert_allclose(value, expected, rtol=1e-4, atol=1e-4, err_msg=target)
+
+
+def test_a_torch_lstm_is_a_config_and_its_state_dict_loads():
+    torch = pytest.importorskip("torch")
+    lstm = torch.nn.LSTM(6, 10, 2, bias=False)
+    graph = models.build("lstm", lstm, weights=lstm.state_dict())
+    assert models.config("lstm", lstm) == {**models.config("lstm"), "input_size": 6, "hidden_size": 10,
+                                           "num_layers": 2, "bias": False}
+    assert set(graph.params) == {"weight_ih_l0", "weight_hh_l0", "weight_ih_l1", "weight_hh_l1"}
+
+
+@pytest.mark.parametrize("options, setting", [({"bidirectional": True}, "bidirectional=True"),
+                                              ({"proj_size": 4}, "proj_size=4"),
+                                              ({"batch_first": True}, "batch_first=True")])
+def test_a_torch_lstm_setting_the_graph_does_not_compute_is_refused(options, setting):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ConfigError, match=rf"nn\.LSTM\({setting}\) is not implemented"):
+        models.build("lstm", torch.nn.LSTM(6, 10, 2, **options))

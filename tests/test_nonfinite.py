@@ -174,6 +174,11 @@ def _cases() -> list[Case]:
         Case("expand", {"x": flat_specials((3, 1), 38)}, lambda x: x.expand(2, 3, 4), attrs={"shape": (2, 3, 4)}),
         Case("sum", {"x": values((3, 5), 39, [((0, 1), NAN), ((1, 2), INF), ((2, 3), -INF)])},
              lambda x: torch.sum(x, 1), attrs={"axes": 1}),
+        *(binary(kind, lambda a, b, kind=kind: getattr(torch, kind)(a, b).int())
+          for kind in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or")),
+        unary("logical_not", lambda x: torch.logical_not(x).int()),
+        Case("where", {"c": flat_specials((3, 4), 40), "a": flat_specials((3, 4), 41), "b": flat_specials((1, 4), 42)},
+             lambda c, a, b: torch.where(c != 0, a, b)),
     ]
 
 

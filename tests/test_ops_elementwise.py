@@ -111,6 +111,9 @@ def test_bad_inputs_are_refused(kind, shapes, dtypes, attrs, reason):
         ({"shape": (2,), "value": "one"}, "value must be a number"),
         ({"shape": (2,), "value": 0.5, "dtype": "int32"}, "not representable as int32"),
         ({"shape": (2,), "value": float("inf"), "dtype": "int32"}, "not representable as int32"),
+        ({"shape": (2,), "value": 2**31, "dtype": "int32"},
+         r"not representable as int32 \(integers in \[-2147483648, 2147483647\]\)"),
+        ({"shape": (2,), "value": -2**63 - 1, "dtype": "int64"}, "not representable as int64"),
     ],
 )
 def test_bad_full_is_refused(attrs, reason):

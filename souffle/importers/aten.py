@@ -13,6 +13,7 @@ import math
 import operator
 
 from souffle.importers import recurrent
+from souffle.ops.logical import MASK_DTYPE
 
 getitem = operator.getitem
 
@@ -42,11 +43,16 @@ def _is_number(value) -> bool:
 
 
 def _promoted(ctx, value):
-    """``value`` as a tensor of the node's result dtype (torch's type promotion)."""
+    """``value`` as a tensor of the node's result dtype (torch's type promotion; a bool result
+    is a mask, true where ``value`` is nonzero)."""
     if _is_number(value):
         return value
     dtype = ctx.out_dtype()
-    return value if ctx.dtype(value) == dtype else ctx.op("cast", value, dtype=dtype)
+    if ctx.dtype(value) == dtype:
+        return value
+    if dtype == "bool":
+        return _truth(ctx, value)
+    return ctx.op("cast", value, dtype=dtype)
 
 
 def _scalar_tensor(ctx, number):
@@ -370,6 +376,113 @@ def _lstm(ctx, x, hx, params, has_biases, num_layers, dropout, train, bidirectio
     return sequence, recurrent.stacked(ctx, h_finals), recurrent.stacked(ctx, c_finals)
 
 
+# -- masks: comparisons, bool logic, where, indexing by constants ---------------------------------
+# A torch bool tensor is an int32 mask of 0s and 1s (souffle.ops.logical); ctx.dtype says "bool".
+def _truth(ctx, value):
+    """A mask of where ``value`` is nonzero (``tensor.bool()``)."""
+    if ctx.dtype(value) == "bool":
+        return value
+    zero = ctx.op("full", shape=(1,), value=0, dtype=ctx.dtype(value))
+    return ctx.mark_bool(ctx.op("ne", value, zero))
+
+
+def _operand_dtype(ctx, *values) -> str:
+    """The dtype two operands of a comparison meet in: torch's promotion for the cases masks use
+    (a float wins, then the widest integer; a bool mask counts as int32; a number takes the tensor's)."""
+    dtypes = [MASK_DTYPE if ctx.dtype(v) == "bool" else ctx.dtype(v) for v in values if not _is_number(v)]
+    floats = [d for d in dtypes if d.startswith("float")]
+    if floats:
+        return floats[0]
+    if any(_is_number(v) and isinstance(v, float) for v in values):
+        return "float32"
+    return "int64" if "int64" in dtypes else dtypes[0]
+
+
+def _as_operand(ctx, value, dtype: str):
+    if _is_number(value):
+        return ctx.op("full", shape=(1,), value=value, dtype=dtype)
+    return value if ctx.spec(value).dtype == dtype else ctx.op("cast", value, dtype=dtype)
+
+
+def _comparison(kind: str):
+    def convert(ctx, a, b):
+        dtype = _operand_dtype(ctx, a, b)
+        return ctx.mark_bool(ctx.op(kind, _as_operand(ctx, a, dtype), _as_operand(ctx, b, dtype)))
+
+    return convert
+
+
+for _kind in ("eq", "ne", "lt", "le", "gt", "ge"):
+    rule(f"{_kind}.Scalar", f"{_kind}.Tensor")(_comparison(_kind))
+
+
+def _logical(kind: str, bitwise: bool):
+    """A logical op; a bitwise one on bools is the same op (on integers it is refused)."""
+
+    def convert(ctx, *operands):
+        if any(_is_number(v) for v in operands):
+            ctx.fail("a logical op with a number operand is not supported")
+        if bitwise and not all(ctx.dtype(v) == "bool" for v in operands):
+            ctx.fail("bitwise ops are supported on bool tensors only")
+        return ctx.mark_bool(ctx.op(kind, *operands))
+
+    return convert
+
+
+for _overloads, _kind, _bitwise in (
+        (("logical_and.default",), "logical_and", False), (("logical_or.default",), "logical_or", False),
+        (("logical_not.default",), "logical_not", False), (("bitwise_and.Tensor",), "logical_and", True),
+        (("bitwise_or.Tensor",), "logical_or", True), (("bitwise_not.default",), "logical_not", True)):
+    rule(*_overloads)(_logical(_kind, _bitwise))
+
+
+@rule("where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar")
+def _where(ctx, condition, a, b):
+    return _select(ctx, condition, a, b)
+
+
+@rule("masked_fill.Scalar", "masked_fill.Tensor")
+def _masked_fill(ctx, x, mask, value):
+    return _select(ctx, mask, value, x)
+
+
+def _select(ctx, condition, a, b):
+    """where(condition, a, b) in the node's dtype (bool branches as masks)."""
+    boolean = ctx.out_dtype() == "bool"
+    dtype = MASK_DTYPE if boolean else ctx.out_dtype()
+    result = ctx.op("where", _truth(ctx, condition), _as_operand(ctx, a, dtype), _as_operand(ctx, b, dtype))
+    return ctx.mark_bool(result) if boolean else result
+
+
+@rule("index.Tensor")
+def _index(ctx, x, indices):
+    """x[indices] for indices known at import time. Indices that only lay x out again (Hugging
+    Face's padding mask indexes with aranges) become a reshape and a broadcast; others a gather
+    of a float tensor's elements by a constant table of positions. One index tensor that is not
+    (a buffer, as Swin's relative_position_index, or an input) is a take along its axis."""
+    import torch
+
+    if not all(i is None or ctx.is_constant(i) for i in indices):
+        return _take_by_tensor(ctx, x, indices)
+    shape = ctx.shape(x)
+    positions = torch.arange(math.prod(shape)).reshape(shape)[
+        tuple(slice(None) if i is None else i.value for i in indices)]
+    out_shape = tuple(positions.shape)
+    kept = positions
+    for axis in range(positions.dim()):
+        first = kept.narrow(axis, 0, 1)
+        if bool((kept == first).all()):
+            kept = first
+    if kept.numel() == math.prod(shape) and bool((kept.reshape(-1) == torch.arange(kept.numel())).all()):
+        laid_out = x if tuple(kept.shape) == shape else ctx.op("reshape", x, shape=tuple(kept.shape))
+        return laid_out if tuple(kept.shape) == out_shape else ctx.op("expand", laid_out, shape=out_shape)
+    if not ctx.spec(x).dtype.startswith("float"):
+        ctx.fail("gathering elements by constant indices is supported for float tensors only")
+    table = ctx.op("reshape", x, shape=(math.prod(shape), 1))
+    gathered = ctx.op("embedding", table, ctx.constant(positions, f"{ctx.node.name}.positions"))
+    return ctx.op("reshape", gathered, shape=out_shape)
+
+
 # -- padding, rolling and indexing (Swin Transformer) --------------------------------------------
 KEPT += ("roll.default",)  # decomposed, a roll is index_select by arange/fmod tables; kept, one op
 
@@ -406,12 +519,12 @@ def _integer_index(ctx, index):
     return index
 
 
-@rule("index.Tensor")
-def _index(ctx, x, indices):
-    """tensor[..., index, ...] with one index tensor: a take along its axis."""
+def _take_by_tensor(ctx, x, indices):
+    """tensor[..., index, ...] with one index tensor computed at run time: a take along its axis."""
     picked = [(axis, index) for axis, index in enumerate(indices) if index is not None]
     if len(picked) != 1:
-        ctx.fail(f"indexing by {len(picked)} index tensors at once is not supported, only by one")
+        ctx.fail(f"indexing by {len(picked)} index tensors at once is not supported, only by one "
+                 f"(or by indices known at import time)")
     axis, index = picked[0]
     return ctx.op("take", x, _integer_index(ctx, index), axis=axis)
 

@@ -6,6 +6,8 @@ inputs. A node
 whose inputs are all known at import time (Constant, Shape of a static tensor, arithmetic on
 shapes, a Transpose of an initializer) is computed by onnx's reference evaluator and becomes
 a constant; any other node goes to its conversion rule (``souffle.importers.onnx_rules``).
+A bool tensor (a mask) is an int32 mask of 0s and 1s (``souffle.ops.logical``); ``ctx.dtype``
+says "bool" for it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from souffle.graph import Graph, GraphBuilder
 from souffle.importers import onnx_rules
 from souffle.importers.prune import without_dead_ops
 from souffle.naming import UniqueNames
+from souffle.ops.logical import MASK_DTYPE
 from souffle.tensor import SUPPORTED_DTYPES
 
 __all__ = ["OPSETS", "from_onnx"]
@@ -86,6 +89,7 @@ class _Importer:
         self._materialized: dict[str, str] = {}
         self._sources: set[str] = set()
         self._reshaped_from: dict[str, Tensor] = {}
+        self._bools: set[str] = set()  # int32 masks that stand for ONNX bool tensors
 
     def run(self) -> Graph:
         from onnx import helper, numpy_helper
@@ -201,6 +205,9 @@ class _Importer:
         if value.name in self._materialized:
             return self._materialized[value.name]
         array = np.asarray(value.value)
+        boolean = array.dtype == np.bool_
+        if boolean:
+            array = array.astype(MASK_DTYPE)
         dtype = _dtype(array.dtype, f"constant {value.name!r}")
         shape = array.shape or (1,)
         flat = array.reshape(-1)
@@ -210,6 +217,8 @@ class _Importer:
         else:
             name = self.builder.param(value.name, np.ascontiguousarray(array.reshape(shape)), dtype)
             self._sources.add(name)
+        if boolean:
+            self._bools.add(name)
         self._materialized[value.name] = name
         return name
 
@@ -219,9 +228,15 @@ class _Importer:
         return self.builder.spec(value.name).shape
 
     def dtype(self, value) -> str:
+        """The value's dtype as numpy names it: "bool" for a mask that stands for a bool tensor."""
         if isinstance(value, Constant):
             return str(value.value.dtype)
-        return self.builder.spec(value.name).dtype
+        return "bool" if value.name in self._bools else self.builder.spec(value.name).dtype
+
+    def mark_bool(self, value: Tensor) -> Tensor:
+        """Record that ``value`` (an int32 mask a rule made) stands for a bool tensor."""
+        self._bools.add(value.name)
+        return value
 
     def is_constant(self, value) -> bool:
         return isinstance(value, Constant)

@@ -114,6 +114,8 @@ _DTYPES = {1: "float32", 6: "int32", 7: "int64", 10: "float16"}
 
 @rule("Cast")
 def _cast(ctx, inputs, attrs):
+    if attrs["to"] == _BOOL:
+        return _truth(ctx, inputs[0])
     dtype = _DTYPES.get(attrs["to"])
     if dtype is None:
         ctx.fail(f"cast to ONNX type {attrs['to']} is not supported")
@@ -368,6 +370,40 @@ def _lstm(ctx, inputs, attrs):
     outputs, h_n, c_n = recurrent.lstm_layer(ctx, x, weights, h_init, c_init, name)
     steps = ctx.shape(x)[0]
     return _reshaped(ctx, outputs, (steps, 1, batch, hidden)), h_n, c_n
+
+
+# -- masks: comparisons, bool logic, Where ---------------------------------------------------------
+# An ONNX bool tensor is an int32 mask of 0s and 1s (souffle.ops.logical); ctx.dtype says "bool".
+_BOOL = 9
+
+
+def _truth(ctx, value):
+    """A mask of where ``value`` is nonzero (Cast to bool)."""
+    if ctx.dtype(value) == "bool":
+        return value
+    zero = ctx.op("full", shape=(1,), value=0, dtype=ctx.dtype(value))
+    return ctx.mark_bool(ctx.op("ne", value, zero))
+
+
+for _op_type, _kind in {"Equal": "eq", "Less": "lt", "LessOrEqual": "le", "Greater": "gt",
+                        "GreaterOrEqual": "ge"}.items():
+    def _compare(ctx, inputs, attrs, kind=_kind):
+        return ctx.mark_bool(ctx.op(kind, *inputs))
+
+    rule(_op_type)(_compare)
+
+
+for _op_type, _kind in {"And": "logical_and", "Or": "logical_or", "Not": "logical_not"}.items():
+    def _logical(ctx, inputs, attrs, kind=_kind):
+        return ctx.mark_bool(ctx.op(kind, *inputs))
+
+    rule(_op_type)(_logical)
+
+
+@rule("Where")
+def _where(ctx, inputs, attrs):
+    condition, a, b = inputs
+    return ctx.op("where", _truth(ctx, condition), a, b)
 
 
 # -- padding (Swin Transformer) ------------------------------------------------------------------

@@ -12,6 +12,9 @@ stays one recurrence instead of its unrolled steps), and walked node by node:
   computed by torch at import time and becomes a constant;
 - any other node goes to its conversion rule (``souffle.importers.aten``). A node with no rule
   is refused with the ATen op's name, the node and the user's source line.
+
+A bool tensor (an attention mask) is an int32 mask of 0s and 1s (``souffle.ops.logical``); the
+importer remembers which tensors are bools, so ``ctx.dtype`` says "bool" for them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from souffle.graph import Graph, GraphBuilder
 from souffle.importers import aten
 from souffle.importers.prune import without_dead_ops
 from souffle.naming import UniqueNames
+from souffle.ops.logical import MASK_DTYPE
 from souffle.tensor import SUPPORTED_DTYPES
 
 __all__ = ["from_torch"]
@@ -132,6 +136,7 @@ class _Importer:
         self._names = UniqueNames(separator=".")
         self._materialized: dict[str, str] = {}
         self._sources: set[str] = set()  # graph inputs and weights: an output that is one gets a copy
+        self._bools: set[str] = set()  # int32 masks that stand for torch bool tensors
 
     # -- the walk ---------------------------------------------------------------------------
     def run(self) -> Graph:
@@ -181,6 +186,10 @@ class _Importer:
                     f"input {name!r} has a symbolic dimension {axis} ({dim}): souffle compiles static shapes, "
                     f"so export with concrete shapes (no dynamic_shapes) and compile one graph per shape")
             shape.append(dim)
+        if str(value.dtype) == "torch.bool":
+            raise ModelImportError(
+                f"input {name!r} is bool; souffle's graph inputs are numbers: pass the mask as int64 0s and 1s "
+                f"(as Hugging Face tokenizers give attention_mask), the model's .bool() then reads it as torch does")
         self._sources.add(name)
         return Tensor(self.builder.input(name, tuple(shape), _dtype(value, f"input {name!r}")))
 
@@ -250,7 +259,11 @@ class _Importer:
         expected = node.meta.get("val")
         if isinstance(result, Tensor) and expected is not None and hasattr(expected, "shape"):
             spec = self.builder.spec(result.name)
-            if spec.shape != tuple(expected.shape) or spec.dtype != str(expected.dtype).removeprefix("torch."):
+            dtype = str(expected.dtype).removeprefix("torch.")
+            if dtype == "bool" and spec.dtype == MASK_DTYPE:
+                self._bools.add(result.name)
+                dtype = MASK_DTYPE
+            if spec.shape != tuple(expected.shape) or spec.dtype != dtype:
                 self.fail(f"converted to {spec.dtype}{list(spec.shape)}, but torch computes "
                           f"{str(expected.dtype).removeprefix('torch.')}{list(expected.shape)}")
 
@@ -303,9 +316,16 @@ class _Importer:
         if value.name in self._materialized:
             return self._materialized[value.name]
         tensor = value.value
+        if str(tensor.dtype) == "torch.bool":
+            name = self._materialize(value, tensor.int(), MASK_DTYPE)
+            self._bools.add(name)
+            return name
         dtype = _dtype(tensor, f"constant {value.name!r}") if tensor.dtype.is_floating_point or \
             str(tensor.dtype) in ("torch.int32", "torch.int64") else self.fail(
                 f"constant {value.name!r} is {str(tensor.dtype).removeprefix('torch.')}, which souffle does not compute")
+        return self._materialize(value, tensor, dtype)
+
+    def _materialize(self, value: Constant, tensor, dtype: str) -> str:
         shape = tuple(tensor.shape) or (1,)
         flat = tensor.reshape(-1)
         if bool((flat == flat[0]).all()):
@@ -325,9 +345,16 @@ class _Importer:
         return self.builder.spec(self.tensor(value)).shape
 
     def dtype(self, value) -> str:
+        """The value's torch dtype: "bool" for a mask that stands for a bool tensor."""
         if isinstance(value, Constant):
             return str(value.value.dtype).removeprefix("torch.")
-        return self.builder.spec(self.tensor(value)).dtype
+        name = self.tensor(value)
+        return "bool" if name in self._bools else self.builder.spec(name).dtype
+
+    def mark_bool(self, value: Tensor) -> Tensor:
+        """Record that ``value`` (an int32 mask a rule made) stands for a torch bool tensor."""
+        self._bools.add(value.name)
+        return value
 
     def out_shape(self) -> tuple[int, ...]:
         """The shape torch gives the current node's (first) output."""

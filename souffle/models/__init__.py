@@ -10,7 +10,23 @@ Every model module (``souffle.models.<name>``) offers the same interface:
   attached with ``Graph.with_weights``, so missing, extra or mis-shaped weights raise WeightError;
 - ``make_inputs(cfg, seed)``: inputs keyed by the graph's input names;
 - ``torch_reference(cfg, weights)``: ``inputs -> outputs`` in graph output order, by PyTorch;
-- ``TOLERANCE``: ``{config: (rtol, atol)}`` for comparing the two.
+- ``TOLERANCE``: ``{config: (rtol, atol)}`` for comparing the two;
+
+and optionally:
+
+- ``check_config(cfg)``: refuse (``ConfigError``) a configuration the graph cannot build or
+  would build as a different model than asked (e.g. BERT's hidden size not divisible by heads);
+- ``config_from_object(obj)``: a configuration dict from another library's description of the
+  model (Hugging Face ``BertConfig``, a ``torch.nn.LSTM``), refusing settings not implemented;
+- ``adapt_weights(weights, cfg)``: ``(weights, config changes, notes)`` for a state_dict named
+  as a model that wraps this one (``BertForMaskedLM``'s ``bert.`` keys); the notes reach the
+  graph's ``weight_notes`` and so the compile report.
+
+A configuration is given (``build``, ``make_inputs``, ``reference``, ``tolerance``) as a name
+(``"tiny"``, ``"paper"``), as a dict of **overrides of "tiny"** (``{"layers": 4}``; start from
+the paper's sizes with ``{**config(name, "paper"), "layers": 4}``), or as an object the model's
+``config_from_object`` takes. Keys that are not in the model's configs are refused, naming the
+allowed ones, and so are values of another type than the default's (a number for a number).
 
 Modules are imported lazily, so building one model never imports another's dependencies.
 """
@@ -23,10 +39,10 @@ from types import ModuleType
 
 import numpy as np
 
-from souffle.errors import InputError, SouffleError, UnknownModelError, WeightError
+from souffle.errors import ConfigError, InputError, SouffleError, UnknownModelError, WeightError
 from souffle.graph import Graph
 
-MODELS = ("lstm", "bert", "resnext", "mmoe", "swin")
+MODELS = ("lstm", "bert", "resnext", "mmoe", "efficientnet", "swin")
 
 __all__ = ["MODELS", "build", "config", "get", "make_inputs", "reference", "structure", "tolerance"]
 
@@ -38,38 +54,44 @@ def get(name: str) -> ModuleType:
     return importlib.import_module(f"souffle.models.{name}")
 
 
-def config(name: str, config: str = "tiny") -> dict:
+Config = str | Mapping[str, object] | object  # a config name, overrides of "tiny" or a config object
+
+
+def config(name: str, config: Config = "tiny") -> dict:
     """The configuration dict of model ``name`` (a copy: editing it changes nothing here)."""
     return _config(name, config)
 
 
-def build(name: str, config: str = "tiny", seed: int = 0, weights: Mapping[str, object] | None = None) -> Graph:
+def build(name: str, config: Config = "tiny", seed: int = 0, weights: Mapping[str, object] | None = None) -> Graph:
     """Model ``name`` as a Graph with random weights from ``seed``, or with ``weights``.
 
-    ``weights`` maps names to numpy arrays or torch tensors, e.g. a PyTorch ``state_dict``; keys
-    ending in the model's ``IGNORED_SUFFIXES`` are dropped, everything else must match exactly
-    (``Graph.with_weights`` says how the arrays may convert to the parameters' dtypes).
+    ``config`` is a config name, a dict of overrides of "tiny" or a config object (see the module
+    docstring). ``weights`` maps names to numpy arrays or torch tensors, e.g. a PyTorch
+    ``state_dict``; keys ending in the model's ``IGNORED_SUFFIXES`` are dropped, everything else
+    must match exactly (``Graph.with_weights`` says how the arrays may convert to the
+    parameters' dtypes).
     """
     module = get(name)
     cfg = _config(name, config)
     if weights is None:
-        weights = module.init_weights(cfg, _checked_seed(seed))
-    else:
-        weights = _parameters(module, weights)
-    return module.build_graph(cfg, weights)
+        return module.build_graph(cfg, module.init_weights(cfg, _checked_seed(seed)))
+    weights, cfg, notes = _parameters(module, weights, cfg)
+    graph = module.build_graph(cfg, weights)
+    graph.weight_notes = (*notes, *graph.weight_notes)
+    return graph
 
 
-def structure(name: str, config: str = "tiny") -> Graph:
+def structure(name: str, config: Config = "tiny") -> Graph:
     """Model ``name``'s graph with parameter shapes but no weight arrays: all the analysis needs."""
     return get(name).build_graph(_config(name, config), None)
 
 
-def make_inputs(name: str, config: str = "tiny", seed: int = 0) -> dict[str, np.ndarray]:
+def make_inputs(name: str, config: Config = "tiny", seed: int = 0) -> dict[str, np.ndarray]:
     """Random inputs for model ``name``, keyed by the graph's input names."""
     return get(name).make_inputs(_config(name, config), _checked_seed(seed))
 
 
-def reference(name: str, config: str, weights: Mapping[str, object]) -> Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]:
+def reference(name: str, config: Config, weights: Mapping[str, object]) -> Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]:
     """A function computing model ``name``'s outputs with PyTorch, in graph output order."""
     try:
         import torch  # noqa: F401
@@ -78,25 +100,74 @@ def reference(name: str, config: str, weights: Mapping[str, object]) -> Callable
             "the PyTorch reference needs torch; install it with `pip install torch==2.13.0`"
         ) from None
     module = get(name)
-    cfg = _config(name, config)
+    weights, cfg, _ = _parameters(module, weights, _config(name, config))
     # the weights the compiled model would get: checked and converted as the graph converts them
-    checked = module.build_graph(cfg, _parameters(module, weights)).weights
+    checked = module.build_graph(cfg, weights).weights
     return module.torch_reference(cfg, checked)
 
 
-def tolerance(name: str, config: str = "tiny") -> tuple[float, float]:
-    """(rtol, atol) within which Souffle's outputs must match the PyTorch reference."""
+def tolerance(name: str, config: Config = "tiny") -> tuple[float, float]:
+    """(rtol, atol) within which Souffle's outputs must match the PyTorch reference; a config
+    given as a dict or an object gets the loosest of the named configs' (it may be as large as
+    the largest of them)."""
     _config(name, config)
-    return tuple(get(name).TOLERANCE[config])
+    tolerances = get(name).TOLERANCE
+    if isinstance(config, str):
+        return tuple(tolerances[config])
+    return tuple(max(t[k] for t in tolerances.values()) for k in range(2))
 
 
-def _config(name: str, config: str) -> dict:
-    configs = get(name).CONFIGS
-    if config not in configs:
-        raise UnknownModelError(
-            f"unknown config {config!r} for model {name!r}; available: {', '.join(configs)}"
-        )
-    return dict(configs[config])
+def _config(name: str, config) -> dict:
+    """The full configuration dict for ``config`` (a name, overrides of "tiny", or an object)."""
+    module = get(name)
+    configs = module.CONFIGS
+    if isinstance(config, str):
+        if config not in configs:
+            raise UnknownModelError(
+                f"unknown config {config!r} for model {name!r}; available: {', '.join(configs)}"
+            )
+        return dict(configs[config])
+    if not isinstance(config, Mapping):
+        from_object = getattr(module, "config_from_object", None)
+        converted = None if from_object is None else from_object(config)
+        if converted is None:
+            raise ConfigError(
+                f"config for model {name!r} must be a name ({', '.join(configs)}), a dict of overrides "
+                f"of 'tiny' or a config object the model takes, not a {type(config).__name__}"
+            )
+        config = converted
+    cfg = dict(configs["tiny"])
+    for key, value in config.items():
+        if key not in cfg:
+            raise ConfigError(
+                f"unknown config key {key!r} for model {name!r}; allowed keys: {', '.join(sorted(cfg))}"
+            )
+        _check_value(name, key, value, cfg[key])
+        cfg[key] = value
+    check = getattr(module, "check_config", None)
+    if check is not None:
+        check(cfg)
+    return cfg
+
+
+def _check_value(name: str, key: str, value, default):
+    """A value of the default's kind (``_fits``); anything finer is the model's ``check_config``."""
+    if not _fits(value, default):
+        wanted = ("True or False" if isinstance(default, bool) else "a positive integer" if isinstance(default, int)
+                  else f"a list like {list(default)!r}")
+        raise ConfigError(f"config key {key!r} of model {name!r} must be {wanted}, got {value!r}")
+
+
+def _fits(value, default) -> bool:
+    """True or False for a bool, a positive int for an int, a list of such for a list (its items
+    like the default's first); a value of any other default (a float, a name, None) passes."""
+    if isinstance(default, bool):
+        return isinstance(value, (bool, np.bool_))
+    if isinstance(default, int):
+        return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value > 0
+    if isinstance(default, (list, tuple)):
+        return isinstance(value, (list, tuple)) and (not default or all(_fits(v, default[0]) for v in value))
+    return True
 
 
 def _checked_seed(seed) -> int:
@@ -106,12 +177,18 @@ def _checked_seed(seed) -> int:
     return int(seed)
 
 
-def _parameters(module: ModuleType, weights: Mapping[str, object]) -> dict[str, object]:
-    """The given weights without the keys the model ignores (buffers)."""
+def _parameters(module: ModuleType, weights: Mapping[str, object], cfg: dict) -> tuple[dict, dict, list[str]]:
+    """The given weights without the keys the model ignores (buffers), renamed by the model's
+    ``adapt_weights`` where it has one; the config it implies and notes on what was done."""
     if not isinstance(weights, Mapping):
         raise WeightError(
             f"weights must be a mapping from parameter name to array (a dict or a PyTorch state_dict), "
             f"not a {type(weights).__name__}"
         )
     ignored = tuple(module.IGNORED_SUFFIXES)
-    return {key: value for key, value in weights.items() if not (ignored and key.endswith(ignored))}
+    kept = {key: value for key, value in weights.items() if not (ignored and key.endswith(ignored))}
+    adapt = getattr(module, "adapt_weights", None)
+    if adapt is None:
+        return kept, cfg, []
+    kept, changes, notes = adapt(kept, cfg)
+    return kept, {**cfg, **changes}, notes

@@ -10,7 +10,7 @@ from souffle.ops.registry import (
     lower_op,
     register_op,
 )
-from souffle.ops import elementwise, math, nn, packed, shape  # noqa: F401  (registration side effects)
+from souffle.ops import elementwise, logical, math, nn, packed, shape  # noqa: F401  (registration side effects)
 
 __all__ = [
     "REGISTRY", "OpRule", "export_rule", "get_export_rule", "get_rule", "infer_outputs", "lower_op", "register_op",

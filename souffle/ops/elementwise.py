@@ -196,8 +196,10 @@ def _full(specs, attrs):
         fail(f"dtype {dtype!r} is not supported (supported: {', '.join(SUPPORTED_DTYPES)})")
     if not is_real(value):
         fail(f"value must be a number, got {value!r}")
-    if not dtype.startswith("float") and not float(value).is_integer():
-        fail(f"value {value!r} is not representable as {dtype}")
+    if dtype.startswith("int"):
+        info = np.iinfo(dtype)
+        if not float(value).is_integer() or not info.min <= int(value) <= info.max:
+            fail(f"value {value!r} is not representable as {dtype} (integers in [{info.min}, {info.max}])")
     return [(shape, dtype)]
 
 

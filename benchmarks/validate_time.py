@@ -1,0 +1,95 @@
+"""What the thread-level validator adds to a CUDA compile, per paper model at O4.
+
+For each model, the cuda pipeline (``souffle.compiler.run_passes``) is timed with the validator
+off and on, the validator's own caches emptied before every run so each run pays for every isl
+question, as a fresh process would:
+
+- warm: nvcc's cubin cache already holds the kernel (a recompile: the passes are all there is),
+  medians of ``--repeat`` runs;
+- cold: an empty nvcc cache (a first compile, nvcc included), one run.
+
+The ratio is the validator's seconds over the rest of the compile. Writes
+benchmarks/results/validate_time.{json,md}.
+
+    python benchmarks/validate_time.py [--models lstm bert resnext mmoe] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common
+
+import analysis.threads
+from souffle import models
+from souffle.compiler import run_passes
+
+
+def _compile(graph, validate: bool) -> tuple[float, float]:
+    """(seconds of the whole cuda pipeline, seconds of its validate_threads pass)."""
+    analysis.threads._EMPTY.clear()
+    analysis.threads._ADDRESSES.clear()
+    began = time.perf_counter()
+    result = run_passes(graph, "cuda", opt_level=4, validate=validate)
+    total = time.perf_counter() - began
+    return total, result.seconds().get("validate_threads", 0.0) if validate else 0.0
+
+
+def measure(name: str, repeat: int) -> dict:
+    graph = models.build(name, "paper")
+    _compile(graph, False)  # warm-up: TVM's first calls, and the nvcc cache
+    off = [_compile(graph, False)[0] for _ in range(repeat)]
+    on = [_compile(graph, True) for _ in range(repeat)]
+    validator = statistics.median(v for _, v in on)
+    warm_rest = statistics.median(total - v for total, v in on)
+    previous = os.environ.get("SOUFFLE_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as empty:
+        os.environ["SOUFFLE_CACHE_DIR"] = empty
+        try:
+            cold_total, cold_validator = _compile(graph, True)
+        finally:
+            if previous is None:
+                del os.environ["SOUFFLE_CACHE_DIR"]
+            else:
+                os.environ["SOUFFLE_CACHE_DIR"] = previous
+    return {"model": name, "config": "paper", "opt_level": 4,
+            "warm_compile_off_s": statistics.median(off), "warm_compile_rest_s": warm_rest, "validator_s": validator,
+            "warm_ratio": validator / warm_rest,
+            "cold_compile_s": cold_total, "cold_validator_s": cold_validator,
+            "cold_ratio": cold_validator / (cold_total - cold_validator)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | validator s | compile s, nvcc cached (validator off) | added | compile s, nvcc cold | added |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['validator_s']:.2f} | {r['warm_compile_rest_s']:.2f} "
+                     f"({r['warm_compile_off_s']:.2f}) | {r['warm_ratio']:.0%} | {r['cold_compile_s']:.1f} "
+                     f"| {r['cold_ratio']:.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(models.MODELS))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--output", default="validate_time", help="file stem under benchmarks/results/")
+    args = parser.parse_args()
+    rows = []
+    for name in args.models:
+        rows.append(measure(name, args.repeat))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    common.publish(args.output, rows, table(rows), ("apache-tvm", "islpy"),
+                   f"wall clock, one process; warm: medians of {args.repeat} runs; cold: one run with an empty "
+                   "nvcc cache; the validator's caches emptied before every run")
+
+
+if __name__ == "__main__":
+    main()
