@@ -13,7 +13,7 @@ from model_checks import run_poisoned  # noqa: E402
 from souffle import models  # noqa: E402
 from souffle.cli import main  # noqa: E402
 from souffle.compiler import run_passes  # noqa: E402
-from souffle.errors import WeightError  # noqa: E402
+from souffle.errors import ConfigError, WeightError  # noqa: E402
 from souffle.models import swin  # noqa: E402
 
 CFG = swin.CONFIGS["tiny"]
@@ -129,3 +129,13 @@ def test_paper_config_command_line_check(capsys):
     assert main(["compile", "swin", "--config", "paper", "--check"]) == 0
     out = capsys.readouterr().out
     assert "check          PASS" in out and "kernels        1" in out
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    ({"heads": [2, 2]}, r"depths \[2, 2, 1\] and heads \[2, 2\] must give one entry per stage"),
+    ({"heads": [3, 2, 4]}, r"stage 0 has 2 blocks and 3 heads for width 16"),
+    ({"image": 1}, r"the image \(1\) must hold at least one patch \(2\)"),
+])
+def test_configurations_that_are_not_swin_are_refused(overrides, reason):
+    with pytest.raises(ConfigError, match=reason):
+        models.build("swin", overrides)

@@ -14,6 +14,7 @@ import functools
 
 import numpy as np
 
+from souffle.errors import ConfigError
 from souffle.graph import Graph
 from souffle.importers.torch_export import from_torch
 from souffle.models.torch_interop import load_weights
@@ -32,6 +33,20 @@ IGNORED_SUFFIXES = ()
 TOLERANCE = {"tiny": (1e-4, 1e-4), "paper": (1e-4, 1e-4)}
 
 LAYER_NORM_EPS = 1e-5
+
+
+def check_config(cfg):
+    """Refuse a configuration that is not a Swin Transformer: a stage without its head count, a
+    stage width (embed * 2^stage) that its heads do not divide, an image smaller than a patch."""
+    if len(cfg["depths"]) != len(cfg["heads"]):
+        raise ConfigError(f"swin: depths {cfg['depths']} and heads {cfg['heads']} must give one entry per stage")
+    for stage, (depth, heads) in enumerate(zip(cfg["depths"], cfg["heads"])):
+        width = cfg["embed"] * 2 ** stage
+        if depth < 1 or heads < 1 or width % heads:
+            raise ConfigError(f"swin: stage {stage} has {depth} blocks and {heads} heads for width {width}; "
+                              f"blocks and heads must be positive and the heads must divide the width")
+    if cfg["image"] < cfg["patch"]:
+        raise ConfigError(f"swin: the image ({cfg['image']}) must hold at least one patch ({cfg['patch']})")
 
 
 def torch_module(cfg, weights=None):
