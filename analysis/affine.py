@@ -446,6 +446,19 @@ def _check_moves_data(chain: list[te.Tensor]):
                                 f"inline {stage.op.name} into its consumer instead")
 
 
+def _reads_tensor(index: tirx.Expr) -> bool:
+    """Whether ``index`` loads a tensor element (a gather's index, as in take): TVM's analyzer
+    cannot simplify such an index (it cannot hash the TE it reads), and need not."""
+    reads = []
+
+    def on_load(read, indices):
+        reads.append(read)
+        return read(*indices)
+
+    Rewriter({}, "finding loads", on_load)(index)
+    return bool(reads)
+
+
 def recompute(tensor: te.Tensor, load, where: str) -> te.Tensor:
     """``tensor``'s TE built again over fresh axes, each of its loads replaced by
     ``load(tensor_read, indices, simplify)``, where ``simplify`` simplifies an index expression
@@ -462,8 +475,10 @@ def recompute(tensor: te.Tensor, load, where: str) -> te.Tensor:
         for old_var, axis in reduce_axes.items():
             analyzer.bind(axis.var, axis.dom)
             variables[old_var] = axis.var
-        return Rewriter(variables, where, lambda read, indices: load(read, indices, analyzer.simplify),
-                        reduce_axes)(op.body[0])
+        def simplify(index):
+            return index if _reads_tensor(index) else analyzer.simplify(index)
+
+        return Rewriter(variables, where, lambda read, indices: load(read, indices, simplify), reduce_axes)(op.body[0])
 
     return te.compute(tensor.shape, body, name=op.name, tag=op.tag, varargs_names=[ax.var.name for ax in op.axis])
 

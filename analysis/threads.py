@@ -48,6 +48,7 @@ import tvm
 from tvm import tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds
 from tvm.tirx.build import split_host_device_mods
+from tvm_ffi import structural_equal
 
 from souffle.errors import ValidationError
 
@@ -230,6 +231,9 @@ class Converter:
     def __init__(self):
         self.env: dict = {}  # tirx.Var -> Form
         self.tiles: dict = {}  # (G, t_k) monomial -> tile variable
+        # numerators of C divisions taken as floor divisions, for the caller to prove >= 0 on its
+        # domain; None: such a division is refused
+        self.assumed: list | None = None
 
     def form(self, e) -> Form:
         if isinstance(e, tirx.IntImm):
@@ -241,7 +245,8 @@ class Converter:
         if isinstance(e, tirx.Cast):
             return self.form(e.value)
         if isinstance(e, tirx.Add):
-            return self.form(e.a) + self.form(e.b)
+            floor = self.c_floor_idiom(e)
+            return floor if floor is not None else self.form(e.a) + self.form(e.b)
         if isinstance(e, tirx.Sub):
             return self.form(e.a) - self.form(e.b)
         if isinstance(e, tirx.Mul):
@@ -254,7 +259,9 @@ class Converter:
             if c is None:
                 raise NonAffine(f"{type(e).__name__} by a variable")
             if isinstance(e, (tirx.Div, tirx.Mod)) and not _nonnegative(x):
-                raise NonAffine(f"a C division of {x.render()}, which may be negative")
+                if self.assumed is None:
+                    raise NonAffine(f"a C division of {x.render()}, which may be negative")
+                self.assumed.append(x)
             if isinstance(e, tirx.RShift):
                 return _floordiv(x, 2 ** c)
             if isinstance(e, tirx.BitwiseAnd):
@@ -270,6 +277,31 @@ class Converter:
             self.env[e.var] = self.form(e.value)
             return self.form(e.body)
         raise NonAffine(type(e).__name__)
+
+    def c_floor_idiom(self, e: tirx.Add) -> Form | None:
+        """floordiv(x, c) or floormod(x, c) where TVM lowered them for an x it cannot prove
+        non-negative (an offset index, i - 3 in one branch of a roll): C's truncating
+        ``x / c + (x % c >> 31)`` and ``x % c + (c & (x % c >> 31))``, exact for any sign of x;
+        None for any other sum."""
+        for first, second in ((e.a, e.b), (e.b, e.a)):
+            if not isinstance(first, (tirx.Div, tirx.Mod)) or not isinstance(first.b, tirx.IntImm):
+                continue
+            x, c = first.a, first.b.value
+            mask = second
+            if isinstance(first, tirx.Mod):
+                if not isinstance(second, tirx.BitwiseAnd):
+                    continue
+                pair = (second.a, second.b) if isinstance(second.a, tirx.IntImm) else (second.b, second.a)
+                if not (isinstance(pair[0], tirx.IntImm) and pair[0].value == c):
+                    continue
+                mask = pair[1]
+            sign_bit = tvm.DataType(str(x.ty.dtype)).bits - 1
+            if not (isinstance(mask, tirx.RShift) and isinstance(mask.b, tirx.IntImm) and mask.b.value == sign_bit
+                    and isinstance(mask.a, tirx.Mod) and isinstance(mask.a.b, tirx.IntImm) and mask.a.b.value == c
+                    and structural_equal(mask.a.a, x)):
+                continue
+            return (_floordiv if isinstance(first, tirx.Div) else _floormod)(self.form(x), c)
+        return None
 
     def condition(self, e) -> str:
         """An isl constraint template (``{s}`` for the variables' suffix)."""
@@ -702,18 +734,32 @@ class Walker:
                 self.kernel.stages[ctx.stage] = (tile, n, buffer.name)
 
     def index(self, e, ctx: Context, buffer):
+        self.conv.assumed = []
         try:
             if isinstance(e, tirx.Ramp):
                 lane = f"l{next(self.ids)}"
                 self.kernel.bounds[lane] = (0, e.lanes - 1)
                 form = self.conv.form(e.base) + _times(self.conv.form(e.stride), Form.atom(lane), {})
-                return form, ctx.variables + [lane], ctx.domain + [f"0 <= {lane}{{s}} < {e.lanes}"]
-            form = self.conv.form(e)
-            form.render()
-            return form, ctx.variables, ctx.domain
+                found = form, ctx.variables + [lane], ctx.domain + [f"0 <= {lane}{{s}} < {e.lanes}"]
+            else:
+                form = self.conv.form(e)
+                form.render()
+                found = form, ctx.variables, ctx.domain
+            self.check_divisions(self.conv.assumed, found[1], found[2])
+            return found
         except NonAffine as why:
             self.kernel.notes.append(f"{buffer.name}: index {e} not affine ({why}): any element")
             return None
+        finally:
+            self.conv.assumed = None
+
+    def check_divisions(self, numerators: list, variables: list, domain: list):
+        """A C division or remainder is the floor one where its numerator is >= 0. TVM leaves one
+        plain where an enclosing condition proves that (the branch i >= 3 of a roll reading
+        (i - 3) / 7), so the access's domain, conditions included, must prove it too."""
+        for x in numerators:
+            if not _is_empty(_set(self.kernel.params, [(variables, domain, "_a")], [f"{x.render('_a')} < 0"])):
+                raise NonAffine(f"a C division of {x.render()}, which may be negative")
 
 
 @dataclass

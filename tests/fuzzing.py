@@ -562,6 +562,30 @@ def _flatten(p: Proposal, x):
     p.op("flatten", [x.name], start_dim=_axis(p, rank), end_dim=_axis(p, rank))
 
 
+def _pad(p: Proposal, x):
+    """Up to two elements of zero or another constant on either side of each axis."""
+    rank = len(x.shape)
+    before = [int(_pick(p.rng, (0, 0, 1, 2))) for _ in range(rank)]
+    after = [int(_pick(p.rng, (0, 0, 1, 2))) for _ in range(rank)]
+    p.op("pad", [x.name], before=before, after=after, value=float(_pick(p.rng, (0.0, -1.5))))
+
+
+def _roll(p: Proposal, x):
+    """One or two axes rolled by shifts of either sign, some longer than the axis."""
+    rank = len(x.shape)
+    axes = [int(a) for a in p.rng.choice(rank, int(p.rng.integers(1, min(rank, 2) + 1)), replace=False)]
+    shifts = [int(p.rng.integers(-2 * x.shape[a], 2 * x.shape[a] + 1)) for a in axes]
+    p.op("roll", [x.name], shifts=shifts, axes=[a - rank * int(p.coin(0.3)) for a in axes])
+
+
+def _take(p: Proposal, x):
+    """Elements along one axis picked by int32 or int64 indices of one or two dimensions."""
+    axis = _axis(p, len(x.shape))
+    ids_shape = tuple(int(_pick(p.rng, (1, 2, 3, 5))) for _ in range(int(p.rng.integers(1, 3))))
+    ids = p.input(ids_shape, dtype=_pick(p.rng, ("int32", "int64")), draw="ids", high=x.shape[axis])
+    p.op("take", [x.name, ids], axis=axis)
+
+
 MAKERS: dict[str, Callable[[Proposal, object], None]] = {
     **{kind: _unary(kind) for kind in ("relu", "sigmoid", "tanh", "gelu", "silu", "copy")},
     **{kind: _binary(kind) for kind in ("add", "sub", "mul")},
@@ -578,7 +602,7 @@ MAKERS: dict[str, Callable[[Proposal, object], None]] = {
     "clamp": _clamp, "cast": _cast, "expand": _expand, "sum": _sum,
     **{kind: _masked(kind) for kind in ("eq", "ne", "lt", "le", "gt", "ge")},
     **{kind: _logical(kind) for kind in ("logical_and", "logical_or", "logical_not")},
-    "where": _where,
+    "where": _where, "pad": _pad, "roll": _roll, "take": _take,
 }
 # The ranks of the tensor a maker reads, where it needs some: the generator picks its operand
 # among the tensors of those ranks.
@@ -713,6 +737,15 @@ def _reference_embedding(table, ids):
     return F.embedding(ids.clamp(0, table.shape[0] - 1), table)
 
 
+def _reference_take(x, ids, axis):
+    """Negative indices count from the end, others are clamped into the axis, as the lowering does."""
+    axis %= x.dim()
+    size = x.shape[axis]
+    picks = torch.where(ids < 0, ids + size, ids).clamp(0, size - 1)
+    taken = x.index_select(axis, picks.reshape(-1))
+    return taken.reshape(x.shape[:axis] + ids.shape + x.shape[axis + 1:])
+
+
 def _reference_batch_norm(x, gamma, beta, mean, var, eps):
     """Inference mode over axis 1; souffle takes (gamma, beta, mean, var), torch (mean, var, gamma, beta)."""
     return F.batch_norm(x, mean, var, gamma, beta, training=False, eps=eps)
@@ -765,6 +798,10 @@ REFERENCE: dict[str, Callable] = {
     **{kind: getattr(torch, kind) for kind in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
                                                "logical_not")},
     "where": lambda condition, a, b: torch.where(condition != 0, a, b),
+    "pad": lambda x, before, after, value: F.pad(
+        x, [amount for axis in reversed(range(x.dim())) for amount in (before[axis], after[axis])], value=value),
+    "roll": lambda x, shifts, axes: torch.roll(x, _ints(shifts), _ints(axes)),
+    "take": _reference_take,
 }
 
 

@@ -100,12 +100,17 @@ OPS = {
     "logical_or": ([(4, 8), (4, 8)], {}, [("T_logical_or", [("in0", O), ("in1", O)])]),
     "logical_not": ([(4, 8)], {}, [("T_logical_not", [("in0", O)])]),
     "where": ([(4, 1), (4, 8), ()], {}, [("T_where", [("in0", M), ("in1", O), ("in2", M)])]),
+    "pad": ([(4, 8)], {"before": (1, 0), "after": (0, 2)}, [("PadInput", [("in0", O)])]),
+    "roll": ([(4, 8)], {"shifts": (1, -3), "axes": (0, 1)}, [("T_roll", [("in0", R)])]),
+    "take": ([(10, 4), (3,)], {"axis": 0}, [("T_take", [("in1", M), ("in0", N)])]),
 }
 
 
 def lowered(kind, shapes, attrs):
-    """The op's compute TEs in topological order, on float32 placeholders (int64 ids for embedding)."""
-    inputs = [te.placeholder(s, "int64" if (kind, i) == ("embedding", 1) else "float32", name=f"in{i}")
+    """The op's compute TEs in topological order, on float32 placeholders (int64 ids for embedding
+    and take)."""
+    indices = (("embedding", 1), ("take", 1))
+    inputs = [te.placeholder(s, "int64" if (kind, i) in indices else "float32", name=f"in{i}")
               for i, s in enumerate(shapes)]
     order, seen = [], set()
 
@@ -345,7 +350,7 @@ VALUE_DEPENDENT = {"lt", "le", "gt", "ge", "logical_and", "logical_or", "where"}
 def _perturbation_pairs(kind, shapes, attrs, rng) -> dict:
     """Per (output, input): the pairs (output element, input element) such that changing that input
     element changes that output element, found by running the op once per input element."""
-    inputs = [te.placeholder(s, "int64" if (kind, i) == ("embedding", 1) else "float32", name=f"in{i}")
+    inputs = [te.placeholder(s, "int64" if (kind, i) in (("embedding", 1), ("take", 1)) else "float32", name=f"in{i}")
               for i, s in enumerate(shapes)]
     outputs = lower_op(kind, inputs, attrs)
     executable = tvm.compile(tvm.IRModule({"main": te.create_prim_func(inputs + outputs)}),

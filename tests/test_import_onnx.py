@@ -109,3 +109,30 @@ def test_cli_compiles_and_checks_an_onnx_file(tmp_path, capsys):
     assert "check          PASS" in out and "vs ONNX Runtime" in out
     assert main(["compile", str(path), "--input-shape", "x=3,a"]) == 2
     assert "expected NAME=D1,D2,... with integer sizes" in capsys.readouterr().err
+
+
+class PadRollGather(torch.nn.Module):
+    """F.pad (ONNX Pad), torch.roll (Slice and Concat), a gather by scattered constant indices and
+    one by an index input on axis 1 (ONNX Gather, as take)."""
+
+    def forward(self, x, rows):
+        y = torch.nn.functional.pad(x, (1, 2, 0, 1), value=-0.5)
+        y = torch.roll(y, shifts=(-1, 2), dims=(1, 2))
+        return y[:, :, [4, 0, 2]], torch.index_select(y, 1, rows)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_pad_roll_and_gathers(opset):
+    module, inputs = PadRollGather(), (torch.randn(2, 3, 4), torch.tensor([3, 0, 3]))
+    graph = souffle.from_onnx(_exported(module, inputs, opset))
+    assert {"pad", "take"} <= {op.kind for op in graph.ops}
+    _check(graph, module, inputs)
+
+
+def test_reflect_padding_is_refused():
+    class Reflect(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.pad(x, (1, 1), mode="reflect")
+
+    with pytest.raises(UnsupportedOpError, match=r"ONNX Pad .*only constant padding"):
+        souffle.from_onnx(_exported(Reflect(), (torch.randn(1, 2, 4),), 17))

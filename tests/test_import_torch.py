@@ -222,3 +222,52 @@ def test_bf16_weights_are_refused_by_name():
 def test_not_a_module_is_refused():
     with pytest.raises(ModelImportError, match="takes a torch.nn.Module"):
         souffle.from_torch(lambda x: x, (torch.randn(2),))
+
+
+# -- padding, rolling and indexing (Swin Transformer's ops) ---------------------------------------
+class PadRollIndex(nn.Module):
+    """F.pad, torch.roll (over dims and flattened), x[:, index] by a buffer, index_select by an input."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("picks", torch.tensor([[3, 0], [-1, 2]]))
+
+    def forward(self, x, rows):
+        y = nn.functional.pad(x, (1, 2, 0, 1), value=-0.5)
+        y = torch.roll(y, shifts=(-1, 2), dims=(1, 2)) + torch.roll(y, 5)
+        return y[:, self.picks], torch.index_select(y, 1, rows)
+
+
+def test_pad_roll_and_indexing():
+    x, rows = torch.randn(2, 3, 4), torch.tensor([3, 0, 3])
+    graph = souffle.from_torch(PadRollIndex(), (x, rows))
+    assert {"pad", "roll", "take"} <= {op.kind for op in graph.ops}
+    check(PadRollIndex(), (x, rows))
+    check(PadRollIndex(), (x, rows), target="llvm-persistent")
+
+
+def test_as_strided_views_read_the_elements_they_name():
+    class Strided(nn.Module):
+        def forward(self, x):
+            return torch.as_strided(x, (4, 3), (1, 4)) * 2, torch.as_strided(x * 3, (2, 2), (4, 1), 5)
+
+    check(Strided(), (torch.randn(3, 4),))
+
+
+def test_indexing_by_two_tensors_is_refused():
+    class TwoIndices(nn.Module):
+        def forward(self, x, i, j):
+            return x[i, j]
+
+    index = torch.tensor([0, 1])
+    with pytest.raises(UnsupportedOpError, match=r"aten\.index\.Tensor.*by 2 index tensors at once"):
+        souffle.from_torch(TwoIndices(), (torch.randn(3, 4), index, index))
+
+
+def test_negative_padding_is_refused():
+    class Crop(nn.Module):
+        def forward(self, x):
+            return nn.functional.pad(x, (0, -1))
+
+    with pytest.raises(UnsupportedOpError, match=r"constant_pad_nd.*negative padding"):
+        souffle.from_torch(Crop(), (torch.randn(3, 4),))

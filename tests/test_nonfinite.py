@@ -179,6 +179,12 @@ def _cases() -> list[Case]:
         unary("logical_not", lambda x: torch.logical_not(x).int()),
         Case("where", {"c": flat_specials((3, 4), 40), "a": flat_specials((3, 4), 41), "b": flat_specials((1, 4), 42)},
              lambda c, a, b: torch.where(c != 0, a, b)),
+        Case("pad", {"x": flat_specials((3, 4), 43)}, lambda x: F.pad(x, (0, 2, 1, 0), value=-1.5),
+             attrs={"before": (1, 0), "after": (0, 2), "value": -1.5}),
+        Case("roll", {"x": flat_specials((3, 4), 44)}, lambda x: torch.roll(x, (-1, 2), (0, 1)),
+             attrs={"shifts": (-1, 2), "axes": (0, 1)}),
+        Case("take", {"ids": np.array([[2, -1], [0, 1]], np.int64)}, lambda t, ids: t[:, ids],
+             params={"table": table}, order=("table", "ids"), attrs={"axis": 1}),
     ]
 
 

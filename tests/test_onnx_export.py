@@ -186,6 +186,11 @@ OP_CASES = [
     ("logical_or", [np.array([0.0, 0.5, np.nan], np.float32), np.array([0.0, 0.0, 0.0], np.float32)], {}),
     ("logical_not", [np.array([0, 3, -1], np.int64)], {}),
     ("where", [np.array([[1], [0]], np.int32), _f32(2, 3), _f32(3)], {}),
+    ("pad", [_f32(2, 3, 4)], {"before": (0, 1, 2), "after": (1, 0, 3), "value": -2.0}),
+    ("roll", [_f32(2, 5, 4)], {"shifts": (-2, 3), "axes": (1, 2)}),
+    ("roll", [_f32(3, 2)], {"shifts": 3, "axes": 0}),
+    ("take", [_f32(5, 3), np.array([[0, 4], [-2, 9]], dtype=np.int64)], {"axis": 0}),
+    ("take", [_f32(2, 6, 3), np.array([5, -1, 0, 2], dtype=np.int32)], {"axis": 1}),
 ]
 
 

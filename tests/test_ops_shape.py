@@ -133,3 +133,64 @@ def test_bad_shape_ops_are_refused(kind, shapes, attrs, reason):
 
 def test_concat_refuses_mixed_dtypes():
     refuses("concat", [(2, 3), (2, 3)], "inputs must share one dtype", dtypes=["float32", "int32"])
+
+
+# -- pad, roll, take ------------------------------------------------------------------------------
+@pytest.mark.parametrize("before, after, value", [([0, 1, 0], [0, 2, 3], 0.0), ([1, 0, 2], [0, 0, 1], -1.5)])
+def test_pad(run_op, before, after, value):
+    x = arange(2, 3, 4)
+    torch_pad = [amount for axis in reversed(range(3)) for amount in (before[axis], after[axis])]
+    expected = torch.nn.functional.pad(torch.from_numpy(x), torch_pad, value=value).numpy()
+    np.testing.assert_array_equal(run_op("pad", [x], before=before, after=after, value=value), expected)
+
+
+@pytest.mark.parametrize("shifts, axes", [([-1], [1]), ([-2, -2], [1, 2]), ([3, 1], [-2, 1]), ([5, -7], [2, 2]),
+                                          ([4], [0])])
+def test_roll(run_op, shifts, axes):
+    """Two rolled axes at once included: TVM's flattening once dropped the second one's shift."""
+    x = arange(2, 4, 5, 3)
+    expected = torch.roll(torch.from_numpy(x), shifts, axes).numpy()
+    np.testing.assert_array_equal(run_op("roll", [x], shifts=shifts, axes=axes), expected)
+
+
+def test_two_axis_roll_through_the_compiler():
+    """The roll of Swin's shifted windows, compiled as a whole graph (fused loops, flattened buffers)."""
+    import souffle
+
+    x = arange(1, 8, 8, 3)
+    b = GraphBuilder("roll")
+    y = b.op("roll", b.input("x", x.shape), shifts=[-2, -2], axes=[1, 2])
+    for target in ("llvm", "llvm-persistent"):
+        (got,) = souffle.compile(b.build(y), target=target).run({"x": x})
+        np.testing.assert_array_equal(got, torch.roll(torch.from_numpy(x), (-2, -2), (1, 2)).numpy(), err_msg=target)
+
+
+@pytest.mark.parametrize("axis, indices", [(0, [[4, 0], [-1, 2]]), (1, [2, 2, 0]), (-1, [[3], [-4]])])
+def test_take(run_op, axis, indices):
+    """torch.index_select / tensor[index]: negative indices count from the end."""
+    x = arange(5, 3, 4)
+    index = np.array(indices, dtype=np.int64)
+    expected = np.take(x, index, axis=axis)
+    np.testing.assert_array_equal(run_op("take", [x, index], axis=axis), expected)
+
+
+def test_take_clamps_an_index_out_of_range(run_op):
+    x = arange(4, 2)
+    got = run_op("take", [x, np.array([9, -9], dtype=np.int32)], axis=0)
+    np.testing.assert_array_equal(got, x[[3, 0]])
+
+
+@pytest.mark.parametrize(
+    "kind, shapes, dtypes, attrs, reason",
+    [
+        ("pad", [(2, 3)], None, {"before": [1], "after": [1]}, "one amount per axis"),
+        ("pad", [(2, 3)], None, {"before": [0, -1], "after": [0, 0]}, "before must be >= 0"),
+        ("pad", [(2, 3)], None, {"before": [0, 1], "after": [0, 0], "value": "x"}, "value must be a number"),
+        ("roll", [(2, 3)], None, {"shifts": [1, 2], "axes": [0]}, "differ in length"),
+        ("roll", [(2, 3)], None, {"shifts": [1], "axes": [2]}, "axis 2 is out of range"),
+        ("take", [(2, 3), (4,)], ["float32", "float32"], {}, "indices must be int32 or int64"),
+        ("take", [(2, 3), (4,)], ["float32", "int64"], {"axis": 2}, "axis 2 is out of range"),
+    ],
+)
+def test_bad_pad_roll_take_are_refused(kind, shapes, dtypes, attrs, reason):
+    refuses(kind, shapes, reason, dtypes=dtypes, **attrs)

@@ -12,7 +12,7 @@ import tvm
 from tvm import tirx
 
 import souffle
-from analysis.threads import validate_kernel
+from analysis.threads import Converter, Form, NonAffine, _floordiv, _floormod, validate_kernel
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.errors import SouffleError, ValidationError
@@ -144,3 +144,46 @@ def test_the_command_line_refuses_an_unsafe_kernel(capsys, without_block_barrier
 
     assert main(["compile", "mmoe", "--target", "cuda", "--validate", "--no-run"]) == 2
     assert "souffle: error: the CUDA kernel is not thread-safe:\n  kernel main_kernel: stage 0" in capsys.readouterr().err
+
+
+def test_c_floor_idioms_read_back_as_floor_division_and_modulo():
+    """TVM lowers floordiv and floormod of an index it cannot prove non-negative (a roll's i - 3)
+    to C's truncating forms with a sign correction; the validator reads them as what they compute."""
+    conv = Converter()
+    i = tirx.Var("i", "int32")
+    conv.env[i] = Form.atom("i")
+    x = i - 3
+    sign = tirx.RShift(tirx.Mod(x, 7), 31)
+    division = conv.form(tirx.Div(x, 7) + sign)
+    modulo = conv.form(tirx.Mod(x, 7) + tirx.BitwiseAnd(tirx.IntImm("int32", 7), sign))
+    assert division.render() == _floordiv(conv.form(x), 7).render()
+    assert modulo.render() == _floormod(conv.form(x), 7).render()
+    with pytest.raises(NonAffine, match="C division"):  # truncation alone is not floor division
+        conv.form(tirx.Div(x, 7) + tirx.RShift(tirx.Mod(x, 7), 30))
+
+
+def _offset_division_read(guarded: bool) -> tirx.PrimFunc:
+    """Each of 256 threads reads src[(i - 3) / 7] (C division), under the condition i >= 3 or not:
+    TVM emits such a plain division where a roll's branch condition proves it non-negative."""
+    grid = tirx.Var("grid_size", "int32")
+    out = tirx.decl_buffer((256,), "float32", name="out")
+    src = tirx.decl_buffer((37,), "float32", name="src")
+    bx, tx, ty = (tirx.Var(name, "int32") for name in ("blockIdx_x", "threadIdx_x", "threadIdx_y"))
+    t = tirx.Var("t", "int32")
+    i = (bx + t * grid) * 256 + ty * 32 + tx
+    value = tirx.BufferLoad(src, [tirx.Div(i - 3, 7)])
+    if guarded:
+        value = tirx.if_then_else(i >= 3, value, tirx.const(0.0, "float32"))
+    stage = tirx.For(t, 0, tirx.floordiv(grid - bx, grid), tirx.ForKind.SERIAL, tirx.BufferStore(out, value, [i]))
+    stmt = stage
+    for var, tag, extent in ((ty, "threadIdx.y", 8), (tx, "threadIdx.x", 32), (bx, "blockIdx.x", grid)):
+        binding = tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
+        stmt = tirx.AttrStmt(binding, "thread_extent", extent, stmt)
+    return tirx.PrimFunc([grid], stmt)
+
+
+def test_a_c_division_is_exact_where_its_condition_proves_the_numerator_non_negative():
+    guarded, unguarded = (validate_kernel(_offset_division_read(g), 256) for g in (True, False))
+    assert guarded.violations == unguarded.violations == ()
+    assert not any(note.startswith("src:") for note in guarded.notes), guarded.notes
+    assert any(note.startswith("src:") and "may be negative" in note for note in unguarded.notes), unguarded.notes

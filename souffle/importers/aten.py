@@ -458,11 +458,12 @@ def _select(ctx, condition, a, b):
 def _index(ctx, x, indices):
     """x[indices] for indices known at import time. Indices that only lay x out again (Hugging
     Face's padding mask indexes with aranges) become a reshape and a broadcast; others a gather
-    of a float tensor's elements by a constant table of positions."""
+    of a float tensor's elements by a constant table of positions. One index tensor that is not
+    (a buffer, as Swin's relative_position_index, or an input) is a take along its axis."""
     import torch
 
     if not all(i is None or ctx.is_constant(i) for i in indices):
-        ctx.fail("indexing by a tensor computed at run time is not supported, only by indices known at import time")
+        return _take_by_tensor(ctx, x, indices)
     shape = ctx.shape(x)
     positions = torch.arange(math.prod(shape)).reshape(shape)[
         tuple(slice(None) if i is None else i.value for i in indices)]
@@ -480,3 +481,83 @@ def _index(ctx, x, indices):
     table = ctx.op("reshape", x, shape=(math.prod(shape), 1))
     gathered = ctx.op("embedding", table, ctx.constant(positions, f"{ctx.node.name}.positions"))
     return ctx.op("reshape", gathered, shape=out_shape)
+
+
+# -- padding, rolling and indexing (Swin Transformer) --------------------------------------------
+KEPT += ("roll.default",)  # decomposed, a roll is index_select by arange/fmod tables; kept, one op
+
+
+@rule("constant_pad_nd.default")
+def _constant_pad_nd(ctx, x, pad, value=0):
+    """F.pad's amounts come in (before, after) pairs from the last axis backwards."""
+    rank = len(ctx.shape(x))
+    if len(pad) % 2 or len(pad) > 2 * rank:
+        ctx.fail(f"pad {list(pad)} must hold (before, after) pairs for at most {rank} axes")
+    before, after = [0] * rank, [0] * rank
+    for pair in range(len(pad) // 2):
+        before[rank - 1 - pair], after[rank - 1 - pair] = pad[2 * pair], pad[2 * pair + 1]
+    if any(amount < 0 for amount in before + after):
+        ctx.fail(f"negative padding (cropping) {list(pad)} is not supported")
+    if not any(before + after):
+        return x
+    return ctx.op("pad", x, before=before, after=after, value=value)
+
+
+@rule("roll.default")
+def _roll(ctx, x, shifts, dims=()):
+    if dims:
+        return ctx.op("roll", x, shifts=list(shifts), axes=list(dims))
+    shape = ctx.shape(x)  # no dims: torch rolls the flattened tensor
+    flat = ctx.op("reshape", x, shape=(-1,))
+    return ctx.op("reshape", ctx.op("roll", flat, shifts=list(shifts), axes=[0]), shape=shape)
+
+
+def _integer_index(ctx, index):
+    dtype = ctx.dtype(index)
+    if dtype not in ("int32", "int64"):
+        ctx.fail(f"indexing by a {dtype} tensor is not supported, only by int32 or int64 indices")
+    return index
+
+
+def _take_by_tensor(ctx, x, indices):
+    """tensor[..., index, ...] with one index tensor computed at run time: a take along its axis."""
+    picked = [(axis, index) for axis, index in enumerate(indices) if index is not None]
+    if len(picked) != 1:
+        ctx.fail(f"indexing by {len(picked)} index tensors at once is not supported, only by one "
+                 f"(or by indices known at import time)")
+    axis, index = picked[0]
+    return ctx.op("take", x, _integer_index(ctx, index), axis=axis)
+
+
+@rule("index_select.default")
+def _index_select(ctx, x, dim, index):
+    return ctx.op("take", x, _integer_index(ctx, index), axis=dim)
+
+
+@rule("as_strided.default")
+def _as_strided(ctx, x, size, stride, storage_offset=None):
+    """A view of x's memory (torch's decompositions emit one to restride a pooled result): the
+    input's own strides, as torch traced them, say which element sits at each memory position,
+    so the view is a reshape of x, or a take of its elements by a table computed here."""
+    import torch
+
+    traced = ctx.node.args[0].meta.get("val")
+    if traced is None or len(traced.stride()) != len(ctx.shape(x)):
+        ctx.fail("the input's memory layout is unknown")
+    shape, strides = tuple(ctx.shape(x)), tuple(traced.stride())
+    count = math.prod(shape)
+    span = 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+    if span != count:
+        ctx.fail(f"the input (shape {list(shape)}, strides {list(strides)}) does not fill its memory densely")
+    # the element (row-major number) of x at each memory position, then at each position of the view
+    numbers = torch.empty_strided(shape, strides, dtype=torch.int64)
+    numbers.copy_(torch.arange(count, dtype=torch.int64).reshape(shape))
+    offset = 0 if storage_offset is None else storage_offset - traced.storage_offset()
+    try:
+        table = torch.as_strided(numbers, list(size), list(stride), offset).reshape(-1)
+    except RuntimeError:
+        ctx.fail(f"the view (size {list(size)}, stride {list(stride)}, offset {offset}) reaches outside the input")
+    if table.numel() == count and bool((table == torch.arange(count)).all()):
+        return x if tuple(size) == shape else ctx.op("reshape", x, shape=tuple(size))
+    picked = ctx.op("take", ctx.op("reshape", x, shape=(count,)), ctx.constant(table, f"{ctx.node.name}.index"))
+    return ctx.op("reshape", picked, shape=tuple(size))

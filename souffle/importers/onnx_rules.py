@@ -229,14 +229,13 @@ def _gather(ctx, inputs, attrs):
     if ctx.is_constant(indices):
         picks = _constant(ctx, indices, "indices").reshape(-1) % ctx.shape(data)[axis]
         start = int(picks[0])
-        if not np.array_equal(picks, np.arange(start, start + picks.size)):
-            ctx.fail("constant indices must be a contiguous range")
-        piece = ctx.op("slice", data, begin=[start], end=[start + picks.size], axis=[axis])
-        shape = ctx.shape(data)[:axis] + tuple(indices.value.shape) + ctx.shape(data)[axis + 1:]
-        return _reshaped(ctx, piece, shape)
-    if axis != 0 or len(ctx.shape(data)) != 2:
-        ctx.fail("gathering by a run-time index is supported on the rows of a 2-D table only")
-    return ctx.op("embedding", data, indices)
+        if np.array_equal(picks, np.arange(start, start + picks.size)):
+            piece = ctx.op("slice", data, begin=[start], end=[start + picks.size], axis=[axis])
+            shape = ctx.shape(data)[:axis] + tuple(indices.value.shape) + ctx.shape(data)[axis + 1:]
+            return _reshaped(ctx, piece, shape)
+    elif axis == 0 and len(ctx.shape(data)) == 2 and ctx.dtype(data).startswith("float"):
+        return ctx.op("embedding", data, indices)
+    return ctx.op("take", data, indices, axis=axis)
 
 
 # -- linear algebra and convolution --------------------------------------------------------------
@@ -405,3 +404,28 @@ for _op_type, _kind in {"And": "logical_and", "Or": "logical_or", "Not": "logica
 def _where(ctx, inputs, attrs):
     condition, a, b = inputs
     return ctx.op("where", _truth(ctx, condition), a, b)
+
+
+# -- padding (Swin Transformer) ------------------------------------------------------------------
+@rule("Pad")
+def _pad(ctx, inputs, attrs):
+    """Constant padding; ONNX lists the amounts as all the begins, then all the ends."""
+    x, pads, value, axes = (list(inputs) + [None] * 4)[:4]
+    if attrs.get("mode", b"constant") not in (b"constant", "constant"):
+        ctx.fail(f"only constant padding is supported, not {attrs['mode']!r}")
+    rank = len(ctx.shape(x))
+    amounts = _ints(ctx, pads, "the pads")
+    axes = [a % rank for a in _ints(ctx, axes, "the axes")] if axes is not None else list(range(rank))
+    if len(amounts) != 2 * len(axes):
+        ctx.fail(f"pads {amounts} must hold a begin and an end for each of the axes {axes}")
+    if any(amount < 0 for amount in amounts):
+        ctx.fail(f"negative pads (cropping) {amounts} are not supported")
+    before, after = [0] * rank, [0] * rank
+    for k, axis in enumerate(axes):
+        before[axis], after[axis] = amounts[k], amounts[len(axes) + k]
+    fill = 0 if value is None else _scalar(ctx, value)
+    if fill is None:
+        ctx.fail("the padding value must be known at import time")
+    if not any(before + after):
+        return x
+    return ctx.op("pad", x, before=before, after=after, value=fill)

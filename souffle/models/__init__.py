@@ -42,7 +42,7 @@ import numpy as np
 from souffle.errors import ConfigError, InputError, SouffleError, UnknownModelError, WeightError
 from souffle.graph import Graph
 
-MODELS = ("lstm", "bert", "resnext", "mmoe", "efficientnet")
+MODELS = ("lstm", "bert", "resnext", "mmoe", "efficientnet", "swin")
 
 __all__ = ["MODELS", "build", "config", "get", "make_inputs", "reference", "structure", "tolerance"]
 

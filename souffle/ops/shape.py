@@ -1,4 +1,4 @@
-"""Shape ops: reshape, transpose, concat, slice, split, flatten (torch semantics).
+"""Shape ops: reshape, transpose, concat, slice, split, flatten, pad, roll, take (torch semantics).
 
 Each op's attribute normalization is one function used by its infer rule, its
 lowering and its ONNX export rule, so they cannot disagree about the output shape.
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 
-from tvm import topi
+from tvm import te, tirx, topi
 
-from souffle.ops.common import int_list, is_int, normalize_axes, normalize_axis, prod, require_same_dtype, shape_of
+from souffle.ops.common import (ieee_constant, int_list, is_int, is_real, normalize_axes, normalize_axis, prod,
+                                require_same_dtype, shape_of)
 from souffle.ops.registry import export_rule, fail, register_op
 
 
@@ -251,3 +252,149 @@ def expand(inputs, shape):
 def _expand_onnx(e, inputs, outputs, attrs):
     (x,) = inputs
     e.node("Expand", [x, e.const(_expand_target(e.shape(x), attrs["shape"]))], outputs)
+
+
+# -- pad, roll, take (Swin Transformer's windows and relative position bias) ----------------------
+def _pad_widths(shape: tuple[int, ...], before, after) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(before, after, output shape): a non-negative amount on each side of every axis."""
+    if before is None or after is None:
+        fail("before and after are required (one amount per axis)")
+    low, high = int_list(before, "before", minimum=0), int_list(after, "after", minimum=0)
+    if not len(low) == len(high) == len(shape):
+        fail(f"before {list(low)} and after {list(high)} must give one amount per axis of {list(shape)}")
+    return low, high, tuple(d + lo + hi for d, lo, hi in zip(shape, low, high))
+
+
+def _pad(specs, attrs):
+    x = specs[0]
+    if not is_real(attrs["value"]):
+        fail(f"value must be a number, got {attrs['value']!r}")
+    return [(_pad_widths(x.shape, attrs["before"], attrs["after"])[2], x.dtype)]
+
+
+@register_op("pad", infer=_pad, n_inputs=1, attrs={"before": None, "after": None, "value": 0.0})
+def pad(inputs, before, after, value):
+    """x with ``before[a]`` and ``after[a]`` elements of ``value`` around axis a (torch's
+    constant F.pad, its amounts listed per axis from the first)."""
+    x = inputs[0]
+    low, high, _ = _pad_widths(shape_of(x), before, after)
+    fill = ieee_constant(value if str(x.dtype).startswith("float") else int(value), str(x.dtype))
+    return topi.nn.pad(x, list(low), list(high), pad_value=fill)
+
+
+@export_rule("pad")
+def _pad_onnx(e, inputs, outputs, attrs):
+    (x,) = inputs
+    low, high, _ = _pad_widths(e.shape(x), attrs["before"], attrs["after"])
+    e.node("Pad", [x, e.const(list(low) + list(high)), e.const(attrs["value"], e.dtype(x))], outputs, mode="constant")
+
+
+def _roll_amounts(shape: tuple[int, ...], shifts, axes) -> dict[int, int]:
+    """axis -> shift in [0, size) for each rolled axis (an axis named twice adds its shifts)."""
+    if shifts is None or axes is None:
+        fail("shifts and axes are required")
+    amounts = int_list(shifts, "shifts")
+    dims = tuple(normalize_axis(a, len(shape)) for a in int_list(axes, "axes"))
+    if len(amounts) != len(dims):
+        fail(f"shifts {list(amounts)} and axes {list(dims)} differ in length")
+    total: dict[int, int] = {}
+    for axis, amount in zip(dims, amounts):
+        total[axis] = (total.get(axis, 0) + amount) % shape[axis]
+    return {axis: amount for axis, amount in total.items() if amount}
+
+
+def _roll(specs, attrs):
+    x = specs[0]
+    _roll_amounts(x.shape, attrs["shifts"], attrs["axes"])
+    return [(x.shape, x.dtype)]
+
+
+@register_op("roll", infer=_roll, n_inputs=1, attrs={"shifts": None, "axes": None})
+def roll(inputs, shifts, axes):
+    """torch.roll: element i of a rolled axis is element (i - shift) mod size of the input.
+
+    Each rolled axis is a choice between two affine reads, i - shift or i + size - shift, so the
+    analysis and the thread-level validator see exact accesses. A floormod index would be
+    quasi-affine too, but TVM 0.27's buffer flattening rewrites ((f // 4 + 1) % 4) * 4 +
+    (f % 4 + 1) % 4, a two-axis roll read in a fused loop f, to (f + 4) % 16, which drops the
+    second axis's shift."""
+    x = inputs[0]
+    shape = shape_of(x)
+    amounts = _roll_amounts(shape, shifts, axes)
+
+    def read(rolled: list[int], index: list):
+        if not rolled:
+            return x(*index)
+        axis, rest = rolled[0], rolled[1:]
+        i, amount = index[axis], amounts[axis]
+        inside = index[:axis] + [i - amount] + index[axis + 1:]
+        wrapped = index[:axis] + [i + (shape[axis] - amount)] + index[axis + 1:]
+        return tirx.if_then_else(i >= amount, read(rest, inside), read(rest, wrapped))
+
+    def element(*index):
+        return read(sorted(amounts), list(index))
+
+    return te.compute(shape, element, name="T_roll", tag=topi.tag.INJECTIVE)
+
+
+@export_rule("roll")
+def _roll_onnx(e, inputs, outputs, attrs):
+    """Each rolled axis as its last ``shift`` elements concatenated before the others."""
+    (x,) = inputs
+    shape = e.shape(x)
+    amounts = _roll_amounts(shape, attrs["shifts"], attrs["axes"])
+    value = x
+    for number, (axis, amount) in enumerate(amounts.items()):
+        cut = shape[axis] - amount
+        tail = e.node("Slice", [value, e.const([cut]), e.const([shape[axis]]), e.const([axis])])
+        head = e.node("Slice", [value, e.const([0]), e.const([cut]), e.const([axis])])
+        last = number == len(amounts) - 1
+        value = e.node("Concat", [tail, head], outputs if last else None, axis=axis)
+    if not amounts:
+        e.node("Identity", [x], outputs)
+
+
+def _take(specs, attrs):
+    data, indices = specs
+    axis = normalize_axis(attrs["axis"], len(data.shape))
+    if indices.dtype not in ("int32", "int64"):
+        fail(f"indices must be int32 or int64, got {indices.dtype}")
+    return [(data.shape[:axis] + indices.shape + data.shape[axis + 1:], data.dtype)]
+
+
+@register_op("take", infer=_take, n_inputs=2, attrs={"axis": 0})
+def take(inputs, axis):
+    """Elements of ``data`` along ``axis`` picked by ``indices`` of any shape, as
+    torch.index_select and tensor[index] (and ONNX Gather): a negative index counts from the
+    end. An index out of range is clamped into the axis, where torch raises: a kernel cannot
+    raise, and a clamped index cannot read outside the tensor."""
+    data, indices = inputs
+    axis = normalize_axis(axis, len(data.shape))
+    size, rank = shape_of(data)[axis], len(indices.shape)
+    dtype = str(indices.dtype)
+    zero, last, count = (tirx.const(v, dtype) for v in (0, size - 1, size))
+
+    def element(*i):
+        index = indices(*i[axis:axis + rank])
+        index = tirx.Select(index < zero, index + count, index)
+        # an int32 position, as every other axis's: an int64 one substituted into an inlined
+        # producer would meet its int32 arithmetic
+        position = tirx.Cast("int32", tirx.min(tirx.max(index, zero), last))
+        return data(*i[:axis], position, *i[axis + rank:])
+
+    shape = shape_of(data)[:axis] + shape_of(indices) + shape_of(data)[axis + 1:]
+    return te.compute(shape, element, name="T_take", tag=topi.tag.INJECTIVE)
+
+
+@export_rule("take")
+def _take_onnx(e, inputs, outputs, attrs):
+    """Indices wrapped once and clamped into [0, size) first, as the lowering does: ONNX Gather
+    rejects an index out of range."""
+    data, indices = inputs
+    axis = normalize_axis(attrs["axis"], len(e.shape(data)))
+    size = e.shape(data)[axis]
+    dtype = e.dtype(indices)
+    negative = e.node("Less", [indices, e.const(0, dtype)])
+    wrapped = e.node("Where", [negative, e.node("Add", [indices, e.const(size, dtype)]), indices])
+    clamped = e.node("Clip", [wrapped, e.const(0, dtype), e.const(size - 1, dtype)])
+    e.node("Gather", [data, clamped], outputs, axis=axis)
