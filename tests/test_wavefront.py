@@ -15,8 +15,8 @@ from souffle.models import lstm
 TINY = lstm.CONFIGS["tiny"]
 CONFIGS = {
     "tiny": TINY,
-    "wide_input": {"input_size": 24, "hidden_size": 8, "num_layers": 2, "steps": 4, "batch": 2},
-    "same_width": {"input_size": 8, "hidden_size": 8, "num_layers": 4, "steps": 3, "batch": 2},
+    "wide_input": dict(TINY, input_size=24, hidden_size=8, num_layers=2, steps=4, batch=2),
+    "same_width": dict(TINY, input_size=8, hidden_size=8, num_layers=4, steps=3, batch=2),
 }
 
 
@@ -123,7 +123,7 @@ TINY_NOT_FUSED = ("tiny: gate product reduces over K + H = 32 < WARP_REDUCE_MIN_
                   "epilogue_mode allows 'shared' only for warp_reduce and 'register' only for equal shapes")
 FUSED_CONFIGS = {
     "tiny": TINY,
-    "gemv64": {"input_size": 24, "hidden_size": 32, "num_layers": 2, "steps": 3, "batch": 2},  # K + H = 64
+    "gemv64": dict(TINY, input_size=24, hidden_size=32, num_layers=2, steps=3, batch=2),  # K + H = 64
 }
 
 
