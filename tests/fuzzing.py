@@ -610,6 +610,7 @@ RANKS = {
     "dense": (1, 2, 3, 4), "layer_norm": (1, 2, 3, 4), "softmax": (1, 2, 3, 4), "mean": (1, 2, 3, 4),
     "sum": (1, 2, 3, 4), "expand": (1, 2, 3, 4),
     "concat": (1, 2, 3, 4), "slice": (1, 2, 3, 4), "split": (1, 2, 3, 4), "flatten": (1, 2, 3, 4),
+    "roll": (1, 2, 3, 4), "take": (1, 2, 3, 4),
     "matmul": (2, 3, 4), "batch_norm": (2, 3, 4), "batch_matmul": (3,),
     "conv2d": (4,), "max_pool2d": (4,), "avg_pool2d": (4,), "global_avg_pool2d": (4,),
 }

@@ -244,3 +244,15 @@ def test_indexing_by_constant_indices_gathers_and_bool_where_branches_stay_masks
     assert "embedding" in {op.kind for op in graph.ops}  # a gather: the indices are no mere layout
     got = run_poisoned(souffle.compile(graph, target="llvm"), {"x": x.numpy(), "mask": mask.numpy()})[0]
     np.testing.assert_allclose(got, Picked()(x, mask).numpy(), rtol=RTOL, atol=ATOL)
+
+
+def test_hugging_face_bert_without_token_types_folds_its_transient_buffer():
+    """Called without token_type_ids, Hugging Face gathers its non-persistent token_type_ids
+    buffer by the position ids: a buffer outside the state_dict is a constant, folded at import,
+    not a weight (which made aten.gather unsupported)."""
+    bert, cfg = _hugging_face_bert()
+    ids = torch.randint(0, cfg["vocab"], (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
+    graph = souffle.from_torch(bert, {"input_ids": ids})
+    assert [spec.name for spec in graph.inputs] == ["input_ids"]
+    assert "embeddings.token_type_ids" not in graph.params  # folded: the gathered rows are a constant
+    _compare(graph, bert, {"input_ids": ids})

@@ -143,8 +143,13 @@ class _Importer:
         import torch
 
         signature = self.program.graph_signature
-        params = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
-        lifted = signature.inputs_to_lifted_tensor_constants
+        # A buffer left out of the state_dict (persistent=False: Hugging Face's position and
+        # token type ids) is no weight a user loads: a constant, folded like a lifted one.
+        transient = {spec.arg.name: spec.target for spec in signature.input_specs
+                     if spec.kind == spec.kind.BUFFER and spec.persistent is False}
+        params = {name: target for name, target in {**signature.inputs_to_parameters,
+                                                     **signature.inputs_to_buffers}.items() if name not in transient}
+        lifted = {**signature.inputs_to_lifted_tensor_constants, **transient}
         state = {**self.program.state_dict, **self.program.constants}
         for spec in signature.input_specs:
             self._names.reserve(spec.target or spec.arg.name)
