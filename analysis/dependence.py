@@ -83,7 +83,7 @@ class IslWriter:
             return _Aff(str(int(e.value)), int(e.value))
         if isinstance(e, tirx.Var):
             return _Aff(self.name_of(e))
-        if isinstance(e, tirx.Cast) and "int" in str(e.dtype):
+        if isinstance(e, tirx.Cast) and "int" in str(e.ty):
             return self.aff(e.value)
         if isinstance(e, (tirx.Add, tirx.Sub)):
             a, b = self.aff(e.a), self.aff(e.b)

@@ -407,3 +407,25 @@ def test_nested_where_builds_and_matches_numpy(target, opt_level):
     want = np.where(second >= total, second, total)
     got = souffle.compile(graph, target=target, opt_level=opt_level).run({"x": x})[0]
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_select_on_gathered_values_is_read_as_a_condition_on_data():
+    """Fuzz seed 1795441173: at O4 the barrier analysis reads the condition of a ``where`` whose
+    operand went through ``take``; an integer cast in it was looked up by a field TVM 0.27 no
+    longer has (``dtype``), an AttributeError instead of "not affine"."""
+    b = GraphBuilder("select_on_gathered")
+    b.input("x", (4, 33, 16))
+    b.input("ids", (2,), "int64")
+    b.input("y", (18,))
+    b.op("pad", "x", name="padded", before=[1, 0, 0], after=[1, 0, 2], value=-1.5)
+    b.op("neg", "padded", name="negated")
+    b.op("take", "negated", "ids", name="rows")
+    b.op("gt", "rows", "y", name="greater")
+    b.op("where", "greater", "rows", "y", name="larger")
+    graph = b.build("larger")
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 33, 16)).astype("float32"), rng.standard_normal(18).astype("float32")
+    ids = np.array([5, 0], dtype="int64")
+    rows = -np.pad(x, [(1, 1), (0, 0), (0, 2)], constant_values=-1.5).take(ids, axis=0)
+    got = souffle.compile(graph, target="llvm-persistent", opt_level=4).run({"x": x, "ids": ids, "y": y})[0]
+    np.testing.assert_array_equal(got, np.where(rows > y, rows, y))
