@@ -752,6 +752,28 @@ def _reference_batch_norm(x, gamma, beta, mean, var, eps):
     return F.batch_norm(x, mean, var, gamma, beta, training=False, eps=eps)
 
 
+COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+# A float comparison of operands this close (relative) is a tie: float32 rounding and the
+# approximated exp/tanh/erf (within 2e-7) may decide it either way. tanh(x) rounds to x in float32
+# for |x| < 2^-12, so le(x, tanh(x)) is true in float32 and false in float64 (fuzz seed 1795442239).
+TIE_TOLERANCE = 1e-6
+
+
+def _resolved_ties(kind: str, tie: bool) -> Callable:
+    """``kind``, with every float tie decided as ``tie``."""
+    compare_exactly = getattr(torch, kind)
+
+    def decide(a, b):
+        exact = compare_exactly(a, b)
+        if not (a.is_floating_point() or b.is_floating_point()):
+            return exact
+        a, b = torch.broadcast_tensors(a.double(), b.double())
+        scale = torch.maximum(torch.ones_like(a), torch.maximum(a.abs(), b.abs()))
+        return torch.where((a - b).abs() <= TIE_TOLERANCE * scale, torch.tensor(tie), exact)
+
+    return decide
+
+
 REFERENCE: dict[str, Callable] = {
     "relu": torch.relu,
     "sigmoid": torch.sigmoid,
@@ -796,8 +818,7 @@ REFERENCE: dict[str, Callable] = {
     "cast": lambda x, dtype: x.clone(),
     "expand": lambda x, shape: x.expand(*_ints(shape)),
     "sum": lambda x, axes, keepdims: x.sum(_all_axes(axes, x.dim()), keepdim=keepdims),
-    **{kind: getattr(torch, kind) for kind in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
-                                               "logical_not")},
+    **{kind: getattr(torch, kind) for kind in COMPARISONS + ("logical_and", "logical_or", "logical_not")},
     "where": lambda condition, a, b: torch.where(condition != 0, a, b),
     "pad": lambda x, before, after, value: F.pad(
         x, [amount for axis in reversed(range(x.dim())) for amount in (before[axis], after[axis])], value=value),
@@ -819,6 +840,16 @@ def reference_outputs(graph: Graph, inputs: Mapping[str, np.ndarray],
         result = reference[op.kind](*(values[n] for n in op.inputs), **{**REGISTRY[op.kind].attrs, **op.attrs})
         values.update(zip(op.outputs, result if isinstance(result, list) else [result]))
     return [values[name].numpy() for name in graph.outputs]
+
+
+def tie_references(graph: Graph, inputs: Mapping[str, np.ndarray],
+                   reference: Mapping[str, Callable] = REFERENCE) -> list[list[np.ndarray]]:
+    """The outputs again with every float comparison's ties decided true, then false: where a
+    comparison is a tie, either answer (and what follows from it) is right. None without one."""
+    if not any(op.kind in COMPARISONS for op in graph.ops):
+        return []
+    return [reference_outputs(graph, inputs, {**reference, **{kind: _resolved_ties(kind, tie) for kind in COMPARISONS}})
+            for tie in (True, False)]
 
 
 # -- checking one target -----------------------------------------------------------------------
@@ -869,13 +900,17 @@ class Mismatch:
     detail: str
 
 
-def compare(name: str, got: np.ndarray, want: np.ndarray, rtol: float = RTOL, atol: float = ATOL) -> Mismatch | None:
+def compare(name: str, got: np.ndarray, want: np.ndarray, rtol: float = RTOL, atol: float = ATOL,
+            alternatives: Sequence[np.ndarray] = ()) -> Mismatch | None:
     """``got`` against the float64 reference cast to ``got``'s dtype: NaN where it has NaN, the same
-    infinities, finite values within rtol/atol. None if they agree."""
+    infinities, finite values within rtol/atol. An element that agrees with one of ``alternatives``
+    (the reference with comparison ties decided otherwise) agrees. None if they agree."""
     if got.shape != want.shape:
         return Mismatch(name, "shape differs", math.inf, f"shape {got.shape}, expected {want.shape}")
     want = want.astype(got.dtype)
     bad = ~np.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    for other in alternatives:
+        bad &= ~np.isclose(got, other.astype(got.dtype), rtol=rtol, atol=atol, equal_nan=True)
     if not bad.any():
         return None
     finite = np.isfinite(got) & np.isfinite(want)
@@ -893,8 +928,10 @@ def compare(name: str, got: np.ndarray, want: np.ndarray, rtol: float = RTOL, at
     return Mismatch(name, cause, max_abs, detail)
 
 
-def mismatches(names: Sequence[str], got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> list[Mismatch]:
-    found = (compare(name, g, w) for name, g, w in zip(names, got, want))
+def mismatches(names: Sequence[str], got: Sequence[np.ndarray], want: Sequence[np.ndarray],
+               ties: Sequence[Sequence[np.ndarray]] = ()) -> list[Mismatch]:
+    """Each output against the reference; ``ties`` are ``tie_references``' alternatives."""
+    found = (compare(name, g, w, alternatives=[t[i] for t in ties]) for i, (name, g, w) in enumerate(zip(names, got, want)))
     return [m for m in found if m is not None]
 
 
@@ -976,7 +1013,9 @@ def check_config(task: Task, reference_overrides: Mapping[str, Callable] | None 
     functions ``reference_overrides`` may replace, for testing the fuzzer). The job of a worker."""
     case, config = task.case, task.config
     graph, inputs = materialize(case)
-    expected = reference_outputs(graph, inputs, {**REFERENCE, **(reference_overrides or {})})
+    reference = {**REFERENCE, **(reference_overrides or {})}
+    expected = reference_outputs(graph, inputs, reference)
+    ties = tie_references(graph, inputs, reference)
     try:
         model = souffle.compile(graph, target=config.target, opt_level=config.level)
     except Exception as error:
@@ -990,7 +1029,7 @@ def check_config(task: Task, reference_overrides: Mapping[str, Callable] | None 
         failure = Failure(case.seed, config, RUN_ERROR, cause, detail)
         return ConfigResult(case.seed, config, True, False, (failure,))
     failures = tuple(Failure(case.seed, config, MISMATCH, m.cause, m.detail, m.output, m.max_abs_error)
-                     for m in mismatches(graph.outputs, got, expected))
+                     for m in mismatches(graph.outputs, got, expected, ties))
     return ConfigResult(case.seed, config, True, True, failures)
 
 
@@ -1362,9 +1401,9 @@ def _op_code(op: Op) -> str:
 def repro(case: Case, config: Config) -> str:
     """The case as a runnable script (from the repository root): GraphBuilder code with its
     shapes, attributes and seeded weights and inputs, then, run as a script, the compile for
-    ``config``, a poisoned run and the comparison with the float64 reference."""
+    ``config``, a poisoned run and the comparison with the float64 reference (ties allowed)."""
     lines = ["import numpy as np", "", "import souffle",
-             "from tests.fuzzing import mismatches, poisoned_run, reference_outputs", "",
+             "from tests.fuzzing import mismatches, poisoned_run, reference_outputs, tie_references", "",
              f"rng = np.random.default_rng({case.seed})", f"b = souffle.GraphBuilder({case.name!r})"]
     lines += [f"b.param({s.name!r}, {draw_code(s)})" for s in case.params]
     lines += [f"b.input({s.name!r}, {s.shape!r}" + (")" if s.dtype == "float32" else f", {s.dtype!r})")
@@ -1377,7 +1416,8 @@ def repro(case: Case, config: Config) -> str:
     level = "" if config.level is None else f", opt_level={config.level}"
     lines += ["", 'if __name__ == "__main__":', f"    model = souffle.compile(graph, target={config.target!r}{level})",
               "    outputs = poisoned_run(model, inputs)",
-              "    print(mismatches(graph.outputs, outputs, reference_outputs(graph, inputs)) or \"outputs match\")"]
+              "    expected, ties = reference_outputs(graph, inputs), tie_references(graph, inputs)",
+              "    print(mismatches(graph.outputs, outputs, expected, ties) or \"outputs match\")"]
     return "\n".join(lines) + "\n"
 
 

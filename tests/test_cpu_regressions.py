@@ -429,3 +429,26 @@ def test_a_select_on_gathered_values_is_read_as_a_condition_on_data():
     rows = -np.pad(x, [(1, 1), (0, 0), (0, 2)], constant_values=-1.5).take(ids, axis=0)
     got = souffle.compile(graph, target="llvm-persistent", opt_level=4).run({"x": x, "ids": ids, "y": y})[0]
     np.testing.assert_array_equal(got, np.where(rows > y, rows, y))
+
+
+@pytest.mark.parametrize("op", ["silu", "where"])
+def test_an_expand_of_an_element_wise_result_reads_each_source_row(op):
+    """Fuzz seed 1795441933: fused into the expand (llvm-persistent O2), the broadcast read is
+    ``x[base + (i & 7)]`` in a loop of 32; LLVM 22's loop vectorizer loaded it as ``x[base + i]``,
+    so 3 of every 4 groups of 8 outputs held the wrong rows or memory past the tensor. LLVM's
+    loop vectorizer is now off (``codegen.llvm.host_target``)."""
+    b = GraphBuilder(f"expand_after_{op}")
+    w = np.arange(8, dtype="float32").reshape(1, 8) - 10.0
+    b.param("w", w)
+    b.input("x", (16, 1, 1, 8))
+    if op == "silu":
+        b.op("silu", "x", name="y")
+    else:
+        b.op("where", "x", "w", "x", name="y")
+    b.op("expand", "y", name="out", shape=[16, 4, 3, 8])
+    graph = b.build("out")
+    x = (np.arange(128, dtype="float32") / 10 - 3.0).reshape(16, 1, 1, 8)
+    x[3, 0, 0, 2] = 0.0  # a false condition for the where
+    y = x / (1 + np.exp(-x)) if op == "silu" else np.where(x != 0, w, x)
+    got = souffle.compile(graph, target="llvm-persistent", opt_level=2).run({"x": x})[0]
+    np.testing.assert_allclose(got, np.broadcast_to(y, (16, 4, 3, 8)), rtol=1e-6, atol=1e-6)

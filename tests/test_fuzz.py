@@ -16,6 +16,7 @@ from codegen.cpu_transforms import pack_weights
 from souffle.graph import Op
 from souffle.ops import REGISTRY
 from tests.fuzzing import (
+    TIE_TOLERANCE,
     CRASH,
     MAKERS,
     MISMATCH,
@@ -188,6 +189,28 @@ def test_compare_tells_unwritten_elements_from_lost_nan():
     off = compare("y", np.array([1.0, np.nan, 3.5], "float32"), want)
     assert (off.cause, off.max_abs_error) == ("values differ", 0.5)
     assert compare("y", np.zeros(2, "float32"), np.zeros(3)).cause == "shape differs"
+
+
+def test_a_comparison_tie_may_go_either_way_and_nothing_else_may():
+    """le(x, tanh(x)): float32 tanh rounds to x for tiny x (true), float64 keeps it below (false).
+    Either answer is right there; a flip away from a tie is not."""
+    from souffle.graph import GraphBuilder
+    from tests.fuzzing import mismatches, reference_outputs, tie_references
+
+    b = GraphBuilder("tie")
+    b.input("x", (3,))
+    b.op("tanh", "x", name="t")
+    b.op("le", "x", "t", name="mask")
+    graph = b.build("mask")
+    x = np.array([1e-5, -0.5, 0.5], "float32")
+    expected, ties = reference_outputs(graph, {"x": x}), tie_references(graph, {"x": x})
+    assert expected[0].tolist() == [False, True, False] and len(ties) == 2
+    assert not mismatches(graph.outputs, [np.array([True, True, False])], expected, ties)
+    assert not mismatches(graph.outputs, [np.array([False, True, False])], expected, ties)
+    flipped = mismatches(graph.outputs, [np.array([True, True, True])], expected, ties)
+    assert [m.detail.split(";")[0] for m in flipped] == ["1 of 3 elements differ, max abs error 1"]
+    assert mismatches(graph.outputs, [np.array([True, True, False])], expected)  # without the tie references
+    assert 1e-5 - np.tanh(1e-5) < TIE_TOLERANCE
 
 
 def test_the_fuzz_script_prints_a_summary_and_writes_its_results(tmp_path):
