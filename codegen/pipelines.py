@@ -21,6 +21,7 @@ from __future__ import annotations
 from functools import partial
 
 from analysis.threads import device_functions, validate_kernels
+from codegen import validation_cache
 from codegen.arena import plan_arena
 from codegen.barriers import place_barriers
 from codegen.cpu_transforms import hoist_scan_projections, pack_weights
@@ -100,8 +101,14 @@ def validate_threads(source: CudaSource, options) -> Outcome:
     if not options.validate:
         return Outcome(source, ["skipped (validation off)"])
     plan = source.plan
+    threads, counters, min_grids = plan.staged.threads, plan.host_loop_trips(), plan.min_grids()
+    digest = validation_cache.key(source.text, threads, counters, min_grids)
+    if (accepted := validation_cache.load(digest)) is not None:
+        return Outcome(source, [f"{kernel}: {note}" for kernel, notes in accepted.items() for note in notes]
+                       + [f"{len(accepted)} kernels validated (verdict cached under {digest[:16]})"])
     device = source.device if source.device is not None else device_module(plan.funcs, options.device.arch)
-    results = validate_kernels(device_functions(device), plan.staged.threads, plan.host_loop_trips(), plan.min_grids())
+    results = validate_kernels(device_functions(device), threads, counters, min_grids)
+    validation_cache.store(digest, {r.kernel: list(r.notes) for r in results})
     return Outcome(source, [f"{r.kernel}: {note}" for r in results for note in r.notes]
                    + [f"{len(results)} kernels validated"])
 

@@ -110,7 +110,7 @@ def test_cuda_kernel_builds_and_the_validator_accepts_it(tiny):
     compiled = souffle.compile(graph, target="cuda")
     assert compiled.kernel_count == 1 and compiled.cubin[:4] == b"\x7fELF"
     (validation,) = [record for record in compiled.passes.records if record.name == "validate_threads"]
-    assert validation.notes[-1] == "1 kernels validated"
+    assert validation.notes[-1].startswith("1 kernels validated")
 
 
 def test_command_line_check(capsys):

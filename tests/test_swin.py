@@ -109,7 +109,7 @@ def test_from_onnx_equals_torch(reference, tmp_path):
 def test_cuda_builds_one_kernel_the_validator_accepts():
     run = run_passes(models.build("swin", "tiny"), "cuda", stop="validate_threads")
     (record,) = [r for r in run.records if r.name == "validate_threads"]
-    assert record.notes[-1] == "1 kernels validated"
+    assert record.notes[-1].startswith("1 kernels validated")
     compiled = souffle.compile(models.build("swin", "tiny"), target="cuda")
     assert compiled.kernel_count == 1 and compiled.cubin[:4] == b"\x7fELF"
 

@@ -75,7 +75,38 @@ def test_the_pass_refuses_an_unsafe_kernel_with_a_souffle_error(without_block_ba
 def test_the_pass_validates_lstm_o4():
     run = run_passes(models.build("lstm", config="tiny"), "cuda", stop="validate_threads", validate=True)
     (record,) = [r for r in run.records if r.name == "validate_threads"]
-    assert record.notes[-1] == "1 kernels validated"
+    assert record.notes[-1].startswith("1 kernels validated")
+
+
+def test_an_accepted_verdict_is_cached_and_a_rejection_is_not(tmp_path, monkeypatch):
+    """A recompile takes the validator's acceptance from the cache (keyed by the CUDA source and the
+    validator's own source); an entry that does not verify is validated again; a rejected kernel
+    is checked every time."""
+    import codegen.validation_cache as cache
+    from souffle.runtime.cuda import CacheWarning
+
+    monkeypatch.setenv("SOUFFLE_CACHE_DIR", str(tmp_path))
+    graph = models.build("lstm", config="tiny")
+
+    def last_note():
+        run = run_passes(graph, "cuda", stop="validate_threads", validate=True)
+        return [r for r in run.records if r.name == "validate_threads"][0].notes[-1]
+
+    assert last_note() == "1 kernels validated"
+    assert last_note().startswith("1 kernels validated (verdict cached under ")
+    (entry,) = (tmp_path / "validated").iterdir()
+    entry.write_text(entry.read_text().replace('"main_kernel"', '"other_kernel"'))
+    with pytest.warns(CacheWarning, match="does not verify"):
+        assert last_note() == "1 kernels validated"
+    monkeypatch.setattr(cache, "_validator_digest", lambda: "a changed validator")
+    assert last_note() == "1 kernels validated"
+    import codegen.barriers
+
+    monkeypatch.setattr(codegen.barriers, "_thread_conflict", lambda *_: None)  # tiny MMoE O4 made unsafe
+    for _ in range(2):
+        with pytest.raises(ValidationError, match="no __syncthreads"):
+            run_passes(models.build("mmoe", config="tiny"), "cuda", stop="validate_threads", validate=True)
+    assert len(list((tmp_path / "validated").iterdir())) == 2
 
 
 @pytest.mark.parametrize("kind", mutants.KINDS)
