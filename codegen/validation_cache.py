@@ -12,34 +12,28 @@ An entry is sealed by its own SHA-256; one that does not verify is recomputed wi
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
-import os
 import warnings
 from importlib import metadata
 from pathlib import Path
 
 import analysis.threads
-from souffle.runtime.cuda import CacheWarning
+from souffle.runtime.cuda import CacheWarning, cache_root, canonical_json, sha256_hex, write_atomic
 
 _FORMAT = 1
 _unwritable: set[Path] = set()
 
 
 def cache_dir() -> Path:
-    if root := os.environ.get("SOUFFLE_CACHE_DIR"):
-        return Path(root) / "validated"
-    return Path.home() / ".cache" / "souffle" / "validated"
+    return cache_root("validated")
 
 
+@functools.cache
 def _validator_digest() -> str:
     source = Path(analysis.threads.__file__).read_bytes()
     versions = [metadata.version(package) for package in ("islpy", "apache-tvm")]
-    return hashlib.sha256(source + json.dumps(versions).encode()).hexdigest()
-
-
-def _seal(entry: dict) -> str:
-    return hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()
+    return sha256_hex(source + json.dumps(versions).encode())
 
 
 def key(source: str, threads: int, counters: dict, min_grids: dict) -> str:
@@ -47,7 +41,7 @@ def key(source: str, threads: int, counters: dict, min_grids: dict) -> str:
     text = json.dumps({"source": source, "threads": threads, "counters": {str(k): v for k, v in counters.items()},
                        "min_grids": min_grids, "validator": _validator_digest(), "format": _FORMAT},
                       sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return sha256_hex(text.encode())
 
 
 def load(digest: str) -> dict[str, list[str]] | None:
@@ -56,7 +50,7 @@ def load(digest: str) -> dict[str, list[str]] | None:
     try:
         entry = json.loads(path.read_bytes())
         seal = entry.pop("sha256")
-        if seal != _seal(entry) or entry.get("key") != digest:
+        if seal != sha256_hex(canonical_json(entry)) or entry.get("key") != digest:
             raise ValueError("its seal or key does not match")
         return {name: list(notes) for name, notes in entry["kernels"].items()}
     except FileNotFoundError:
@@ -71,13 +65,11 @@ def store(digest: str, kernels: dict[str, list[str]]) -> None:
     """Record an acceptance; a cache that cannot be written is skipped, with one warning."""
     directory = cache_dir()
     entry = {"key": digest, "kernels": kernels}
-    entry["sha256"] = _seal(entry)
+    entry["sha256"] = sha256_hex(canonical_json(entry))
     path = directory / f"{digest}.json"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps(entry))
-        os.replace(partial, path)
+        write_atomic(path, json.dumps(entry).encode())
     except OSError as err:
         if directory not in _unwritable:
             _unwritable.add(directory)

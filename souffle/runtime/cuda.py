@@ -124,12 +124,15 @@ def _nvcc_version(path: str, mtime_ns: int, size: int) -> str:
     return result.stdout.strip()
 
 
-def _cache_dir(cache_dir) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
+def cache_root(kind: str) -> Path:
+    """Where souffle caches ``kind`` ("cubin", "validated"): under $SOUFFLE_CACHE_DIR, else ~/.cache/souffle."""
     if root := os.environ.get("SOUFFLE_CACHE_DIR"):
-        return Path(root) / "cubin"
-    return Path.home() / ".cache" / "souffle" / "cubin"
+        return Path(root) / kind
+    return Path.home() / ".cache" / "souffle" / kind
+
+
+def _cache_dir(cache_dir) -> Path:
+    return Path(cache_dir) if cache_dir is not None else cache_root("cubin")
 
 
 class CacheWarning(UserWarning):
@@ -178,14 +181,14 @@ def compile_cubin(source: str, arch: str, kernel: str | tuple[str, ...] = "main_
         return cached
 
     cubin, resources = _nvcc_compile(nvcc, source, arch, kernel)
-    meta = {"cubin_sha256": _sha256(cubin), "resources": _resources_json(resources)}
-    meta["sha256"] = _sha256(_canonical(meta))
+    meta = {"cubin_sha256": sha256_hex(cubin), "resources": _resources_json(resources)}
+    meta["sha256"] = sha256_hex(canonical_json(meta))
     # The JSON is written last and marks the entry complete; os.replace makes each file appear
     # whole, and a compile is reproducible, so concurrent compiles of one key write equal files.
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        _write_atomic(cubin_path, cubin)
-        _write_atomic(meta_path, json.dumps(meta).encode())
+        write_atomic(cubin_path, cubin)
+        write_atomic(meta_path, json.dumps(meta).encode())
     except OSError as err:
         if directory not in _unwritable_caches:
             _unwritable_caches.add(directory)
@@ -213,13 +216,13 @@ def _cached_entry(cubin_path: Path, meta_path: Path, arch: str, kernel):
         raise _CorruptEntry(f"not JSON: {err}") from None
     if not isinstance(meta, dict) or set(meta) != {"cubin_sha256", "resources", "sha256"}:
         raise _CorruptEntry("not an object of cubin_sha256, resources and sha256")
-    if meta["sha256"] != _sha256(_canonical({k: meta[k] for k in ("cubin_sha256", "resources")})):
+    if meta["sha256"] != sha256_hex(canonical_json({k: meta[k] for k in ("cubin_sha256", "resources")})):
         raise _CorruptEntry("its content does not match its sha256")
     try:
         cubin = cubin_path.read_bytes()
     except OSError as err:
         raise _CorruptEntry(f"its cubin {cubin_path.name} is unreadable: {err}") from None
-    if _sha256(cubin) != meta["cubin_sha256"]:
+    if sha256_hex(cubin) != meta["cubin_sha256"]:
         raise _CorruptEntry(f"its cubin {cubin_path.name} ({len(cubin)} bytes) does not match its sha256")
     return cubin, _resources_from_json(meta["resources"], arch, kernel)
 
@@ -272,15 +275,15 @@ def _nvcc_compile(nvcc: str, source: str, arch: str, kernel):
         return out.read_bytes(), resources
 
 
-def _sha256(data: bytes) -> str:
+def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _canonical(value) -> bytes:
+def canonical_json(value) -> bytes:
     return json.dumps(value, sort_keys=True).encode()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
     try:
         with os.fdopen(fd, "wb") as f:
