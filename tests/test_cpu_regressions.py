@@ -452,3 +452,28 @@ def test_an_expand_of_an_element_wise_result_reads_each_source_row(op):
     y = x / (1 + np.exp(-x)) if op == "silu" else np.where(x != 0, w, x)
     got = souffle.compile(graph, target="llvm-persistent", opt_level=2).run({"x": x})[0]
     np.testing.assert_allclose(got, np.broadcast_to(y, (16, 4, 3, 8)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("target, level", [("llvm", None), ("llvm-persistent", 0), ("llvm-persistent", 4)])
+def test_layer_norm_of_a_near_constant_row_matches_float64(target, level):
+    """Fuzz seed 1795450603: a row of 65 copies of a float32 sum (3.35...). Its float32 mean is a
+    few ulps off the value, so x - mean is ~1e-6 where float64 gives 0, and 1/sqrt(var + eps)
+    (316 at eps 1e-5) scaled that to 7e-4 (topi's two-pass form) or 2.6e-4 (plain two-pass);
+    the corrected two-pass algorithm takes the mean's rounding back out."""
+    import torch
+
+    rng = np.random.default_rng(1795450603)
+    gamma, beta = (np.asarray(rng.standard_normal(65) * 0.5, "float32") for _ in range(2))
+    b = GraphBuilder("layer_norm_near_constant")
+    b.param("gamma", gamma)
+    b.param("beta", beta)
+    b.input("x", (65,))
+    b.op("layer_norm", "x", "gamma", "beta", name="out")
+    graph = b.build("out")
+    x = np.full(65, np.float32(3.3534682), "float32")
+    x[[5, 23, 40]] = np.float32(3.3534677), np.float32(3.353469), np.float32(3.353468)
+    want = torch.nn.functional.layer_norm(torch.from_numpy(x).double(), (65,), torch.from_numpy(gamma).double(),
+                                          torch.from_numpy(beta).double(), eps=1e-5).numpy()
+    kwargs = {} if level is None else {"opt_level": level}
+    got = souffle.compile(graph, target=target, **kwargs).run({"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)

@@ -276,9 +276,39 @@ def _layer_norm(specs, attrs):
 
 @register_op("layer_norm", infer=_layer_norm, n_inputs=3, attrs={"eps": 1e-5})
 def layer_norm(inputs, eps):
-    """torch.nn.LayerNorm over the last dimension (biased variance)."""
-    x = inputs[0]
-    return topi.nn.layer_norm(x, inputs[1], inputs[2], axis=[len(x.shape) - 1], epsilon=float(eps))
+    """torch.nn.LayerNorm over the last dimension (biased variance), by the corrected two-pass
+    algorithm (Chan, Golub and LeVeque): the mean m, then the sums of d = x - m and of d^2
+    (siblings, so they may fuse); the correction c = sum(d) / n repairs m's rounding and
+    var = sum(d^2) / n - c^2.
+
+    topi's layer_norm is the plain two-pass form (mean, then the sum of (x - mean)^2): the float32
+    mean's rounding stays in every x - mean and 1/sqrt(var + eps) (316 at eps 1e-5) scales it
+    up, so a near-constant row came out 7e-4 off a float64 reference (fuzz seed 1795450603),
+    where torch is 6e-8 off. The correction makes it 0.4e-6."""
+    x, gamma, beta = inputs
+    *rows, width = shape_of(x)
+    n = tvm.tirx.const(float(width), x.dtype)
+    k = te.reduce_axis((0, width), "k")
+    row_sum = te.compute(rows, lambda *r: te.sum(x[(*r, k)], axis=k), name="layer_norm_sum")
+
+    def deviation(r, j):
+        return x[(*r, j)] - row_sum[r] / n
+
+    def deviation_sum(name, term):
+        kd = te.reduce_axis((0, width), "kd")
+        return te.compute(rows, lambda *r: te.sum(term(deviation(r, kd)), axis=kd), name=name)
+
+    dev_sum = deviation_sum("layer_norm_deviation", lambda d: d)
+    dev_squares = deviation_sum("layer_norm_squares", lambda d: d * d)
+    epsilon = tvm.tirx.const(float(eps), x.dtype)
+
+    def normalized(i):
+        r = i[:-1]
+        correction = dev_sum[r] / n
+        variance = dev_squares[r] / n - correction * correction
+        return (deviation(r, i[-1]) - correction) * tvm.tirx.rsqrt(variance + epsilon)
+
+    return te.compute(x.shape, lambda *i: normalized(i) * gamma[i[-1]] + beta[i[-1]], name="layer_norm")
 
 
 @export_rule("layer_norm")
