@@ -161,6 +161,12 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         sch.bind(lane, "threadIdx.x")
     n_tiles = -(-outputs // per_tile)
     func = sch.mod["main"]
+    if gpu:
+        # ``reverse_compute_at`` binds an epilogue in a single tile without the tile's index,
+        # while the reduction keeps it: the two index the results differently, and TVM keeps a
+        # whole local array of results per thread (98 floats for a 7 x 7 x 2 pooling) where the
+        # simplified bindings agree and leave one register.
+        func = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": func}))["main"]
     if gpu and epilogue_mode == "shared":
         func = _synchronize_epilogue(func)
     return func, StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch))
@@ -169,12 +175,33 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
 def schedule_te(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int = THREADS,
                 epilogue_mode: str | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
     """``schedule_stage`` for one TE over ``placeholders`` (a stage isolated from its program);
-    an epilogue stage's tiles are counted in the epilogue's output, which the stage writes."""
+    an epilogue stage's tiles are counted in the epilogue's output, which the stage writes.
+
+    A reduction that each thread computes alone (``thread_reduce``) gets a copy as its register
+    epilogue: the thread sums in a register and stores once. Written in place, the output would
+    be loaded and stored at every reduction step, since nvcc must assume that the arena views
+    (one ``__restrict__`` pointer) alias the operands. (A ``cache_write`` does the same in
+    principle, but TVM's ``reverse_compute_at`` of its write-back into a tile of 32 outputs of
+    30 widened it to a 6 x 6 box with no guard, which stored past the output, and
+    ``compute_at`` of the reduction into a tiled write-back broke its affine bindings.)"""
+    if epilogue_mode is None and _accumulates_alone(tensor, threads):
+        tensor, epilogue_mode = te.compute(tensor.shape, lambda *i: tensor(*i), name=tensor.op.name), "register"
     func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, epilogue_mode)
     if epilogue_mode is None:
         return func, schedule
     outputs = _product(int(d) for d in tensor.shape)
     return func, dataclasses.replace(schedule, per_tile=schedule.per_tile * outputs // schedule.outputs, outputs=outputs)
+
+
+def _accumulates_alone(tensor: te.Tensor, threads: int) -> bool:
+    """Whether ``tensor`` is a reduction that ``thread_reduce`` schedules."""
+    axes = getattr(tensor.op, "reduce_axis", [])
+    analyzer = tvm.sym.Analyzer()
+    extents = [analyzer.simplify(a.dom.extent) for a in axes]
+    if not extents or not all(isinstance(e, tirx.IntImm) for e in extents):
+        return False  # no reduction, or one ``schedule_stage`` refuses with its reason
+    outputs = _product(int(d) for d in tensor.shape)
+    return choose_template(outputs, _product(int(e) for e in extents), threads) == "thread_reduce"
 
 
 def _outer_loop(sch: s_tir.Schedule, spatial_loops: list, loops: list, block):
