@@ -100,7 +100,7 @@ def test_analyze_json_for_tools(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["analyze", "lstm", "--device", "tpu"], "unknown device 'tpu'; known devices: h200, a100, cpu"),
+    (["analyze", "lstm", "--device", "tpu"], "unknown device 'tpu'; known devices: h200, h100, a100, cpu"),
     (["analyze", "gpt5"], "unknown model 'gpt5'"),
 ])
 def test_analyze_refuses_unknown_names(capsys, argv, message):
