@@ -42,8 +42,8 @@ from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.latency import SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork, estimate_program
 from codegen.partition import stage_registers
 from codegen.schedule import WARP
-from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stages_in, tiles_of
-from codegen.traffic import StageTraffic, memory_traffic
+from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, tiles_of
+from codegen.traffic import StageTraffic, compulsory_bytes, memory_traffic
 
 # Steps of a register-accumulated reduction whose loads one thread has in flight at once: nvcc 13
 # unrolls the k loop of a thread_reduce dense with a register accumulator by 8, every load of the
@@ -55,10 +55,9 @@ SHUFFLE_ROUNDS = int(math.log2(WARP)) + 1  # TVM's warp all-reduce: 5 shfl_down 
 def latency_estimate(staged: StagedProgram, device: DeviceModel,
                      occupancies: list[Occupancy] | None = None) -> LatencyEstimate:
     """``staged`` estimated on ``device`` (``analysis.latency``); ``occupancies``: each kernel's, from ptxas."""
-    traffic = memory_traffic(staged)
     return estimate_program(staged.name, stage_works(staged, device, occupancies),
                             staged.barrier_count(executed=True), staged.kernel_count(executed=True),
-                            traffic.compulsory_bytes, device)
+                            compulsory_bytes(staged), device)
 
 
 def stage_works(staged: StagedProgram, device: DeviceModel,
