@@ -25,7 +25,8 @@ tiles. One execution of the stage takes the largest of five times:
 - L2: every tile's global loads at sector granularity, each sector once per tile (L1 keeps a
   tile's reuse), plus every global store (L1 writes through to L2: an accumulator kept in
   global memory is stored at every reduction step), at ``DeviceModel.l2_bandwidth``;
-- DRAM: the stage's distinct bytes (``codegen.traffic``, an upper bound: L2 may hold some).
+- DRAM: the stage's distinct bytes (``codegen.traffic``, an upper bound: L2 may hold some), at
+  most what its loads request (a gather's read relation spans the whole table it indexes).
 
 Which of them is the largest is the stage's ``bound``. The whole model adds every stage's time
 times its executions (scan bodies run once per trip), ``GRID_SYNC_SECONDS`` per grid barrier
@@ -48,18 +49,19 @@ SECTOR_BYTES = 32  # the unit L1 and L2 move global memory in (CUDA C++ Best Pra
 # (CUDA C++ Programming Guide, shared memory of compute capability 5.x and later; L1 and shared
 # memory are one array since Volta), i.e. 4 sectors per clock.
 L1_SECTORS_PER_CLOCK = 4
-# Latencies in SM clocks, round figures of published microbenchmarks (Jia et al., "Dissecting the
-# NVIDIA Volta GPU Architecture via Microbenchmarking", 2018: L1 hit 28, L2 hit ~193 on V100; the
-# same orders for A100 and H100 in later studies): assumptions for these GPUs until measured.
+# Latencies in SM clocks: round figures of the order published microbenchmarks give (Jia et al.,
+# "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking", 2018: an L1 hit 28 clocks,
+# an L2 hit 193 on V100), DRAM twice L2. Assumptions for the A100, H100 and H200 until measured.
 L1_HIT_CYCLES = 30
 L2_HIT_CYCLES = 200
 DRAM_CYCLES = 400
 ON_CHIP_STEP_CYCLES = 30  # a warp shuffle round, taken as an L1 hit's latency (an assumption)
 BLOCK_BARRIER_CYCLES = 30  # a __syncthreads once every warp has arrived (an assumption)
 # A cooperative-groups grid barrier: every block's arrival on a global counter and a spin on it, a
-# few L2 round trips plus the wait for the slowest block. 2 us is an assumption, of the order
-# Zhang et al. ("A Study of Single and Multi-device Synchronization Methods in Nvidia GPUs",
-# IPDPS 2020) measured for grid.sync on a full V100 grid; to be corrected by measurement.
+# few L2 round trips plus the wait for the slowest block. 2 us is an assumption, not a measurement
+# (Zhang et al., "A Study of Single and Multi-device Synchronization Methods in Nvidia GPUs",
+# IPDPS 2020, measure grid.sync on V100 and P100; none of these GPUs has been timed here): the
+# first figure to correct from GPU timings.
 GRID_SYNC_SECONDS = 2e-6
 TENSOR_CORES_PER_SM = 4  # one per SM sub-partition (A100 and H100 architecture whitepapers)
 GOAL_FRACTION = 0.4  # the goal: GEMM-shaped stages at 40% or more of their dtype's peak
