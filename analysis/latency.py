@@ -220,7 +220,8 @@ class LatencyEstimate:
     def summary(self) -> dict[str, str]:
         """The report's lines: the estimate and its parts, the roofline bound, the GEMM-shaped stages."""
         d = self.device
-        head = (f"{d.name}: {_duration(self.seconds)} = stages {_duration(self.stage_seconds)} + {self.grid_barriers} grid "
+        head = (f"{d.name}: {_duration(self.seconds)} = stages {_duration(self.stage_seconds)} + "
+                f"{self.grid_barriers} grid "
                 f"barriers {_duration(self.barrier_seconds)} + {self.launches} launch{'es' * (self.launches != 1)} "
                 f"{_duration(self.launch_seconds)} (a static model, not a measurement)")
         ratio = self.seconds / self.roofline_seconds if self.roofline_seconds else math.inf

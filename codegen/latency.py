@@ -152,8 +152,9 @@ def _reduce_box(reduction: te.Tensor) -> list[tuple[int, int]]:
     """(lowest value, extent) of each reduce axis over the whole iteration domain."""
     domain = iteration_domain(reduction)
     n_spatial = len(reduction.op.axis)
-    return [(domain.dim_min_val(d).to_python(), domain.dim_max_val(d).to_python() - domain.dim_min_val(d).to_python() + 1)
-            for d in range(n_spatial, n_spatial + len(reduction.op.reduce_axis))]
+    bounds = [(domain.dim_min_val(d).to_python(), domain.dim_max_val(d).to_python())
+              for d in range(n_spatial, n_spatial + len(reduction.op.reduce_axis))]
+    return [(lowest, highest - lowest + 1) for lowest, highest in bounds]
 
 
 def _is_gemm(reduction: te.Tensor | None) -> bool:
@@ -207,7 +208,8 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, tr
         count = -(-min(schedule.per_tile, schedule.outputs) // WARP)
         loads_of(_loads(stage.tensor), lanes, count)
         memory_steps, on_chip_steps, barriers = int(bool(accesses)), 0, 0
-        accesses.append(MemoryAccess(stage.tensor.op.name, "store", "global", count, _store_sectors(stage.tensor, lanes)))
+        stored = _store_sectors(stage.tensor, lanes)
+        accesses.append(MemoryAccess(stage.tensor.op.name, "store", "global", count, stored))
     else:
         terms, outputs = _reduction_length(reduction), _size(reduction)
         loads = _loads(reduction)
@@ -279,8 +281,8 @@ def _loads(tensor: te.Tensor) -> list:
     distinct: list = []
     for body in tensor.op.body:
         for load in tensor_loads(body):
-            if not any(seen.tensor.op.same_as(load.tensor.op) and structural_equal(list(seen.indices), list(load.indices))
-                       for seen in distinct):
+            if not any(seen.tensor.op.same_as(load.tensor.op)
+                       and structural_equal(list(seen.indices), list(load.indices)) for seen in distinct):
                 distinct.append(load)
     return distinct
 

@@ -92,7 +92,8 @@ def latency_columns(estimate) -> dict:
     gemms = estimate.gemm_stages()
     return {"estimate_device": estimate.device.name, "estimate_ms": estimate.seconds * 1e3,
             "roofline_ms": estimate.roofline_seconds * 1e3, "estimate_stages_ms": estimate.stage_seconds * 1e3,
-            "estimate_barriers_ms": estimate.barrier_seconds * 1e3, "estimate_launches_ms": estimate.launch_seconds * 1e3,
+            "estimate_barriers_ms": estimate.barrier_seconds * 1e3,
+            "estimate_launches_ms": estimate.launch_seconds * 1e3,
             "gemm_stages": len(gemms),
             "gemm_best_fraction_of_peak": max((s.fraction_of_peak for s in gemms), default=None),
             "estimate": estimate.summary()}
@@ -156,7 +157,8 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="tiny", choices=("tiny", "paper"))
     p.add_argument("--levels", type=_levels, default=list(OPT_LEVELS), help="comma-separated opt levels (0-4)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs per level (the median is reported)")
-    p.add_argument("--no-run", action="store_true", help="compile and count only: no CPU run, check or CPU latency (the estimate is made)")
+    p.add_argument("--no-run", action="store_true",
+                   help="compile and count only: no CPU run, check or CPU latency (the estimate is made)")
     p.add_argument("--cuda", action="store_true", help="also build the CUDA kernels for sm_80 and sm_90 (needs nvcc)")
     p.add_argument("--gpu", action="store_true", help="also time the cuda build on this machine's GPU")
     p.add_argument("--device", default="h100", choices=GPUS,
