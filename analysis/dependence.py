@@ -73,7 +73,7 @@ class IslWriter:
 
     def index(self, e) -> _Aff:
         """A load index; one that depends on another load is a gather, which isl cannot hold."""
-        gathered = _loads(e)
+        gathered = tensor_loads(e)
         if gathered:
             raise NotAffine(f"it depends on values loaded from {gathered[0].tensor.op.name} (a data-dependent gather)")
         return self.aff(e)
@@ -137,26 +137,28 @@ def is_call_to(e, name: str) -> bool:
 
 # -- the loads of a TE body -------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Load:
+class TensorLoad:
+    """One load of a tensor in a TE body: its index expressions and the guards on its path."""
+
     tensor: te.Tensor
     indices: tuple
     conditions: tuple  # the if_then_else / select / reduce conditions guarding this load
 
 
-def _loads(body) -> list[_Load]:
+def tensor_loads(body) -> list[TensorLoad]:
     """Every tensor load of a TE body with the conditions on its path, in program order.
 
     A condition that tests loaded values only (``isnan(x[i])``, ``x[i] < 0``) is no guard: over
     all inputs either branch may run, so the elements both branches read, unguarded, are exactly
     those the TE may read. A condition on the axes (padding's bounds) restricts them.
     """
-    found: list[_Load] = []
+    found: list[TensorLoad] = []
 
     def walk(e, conds: tuple):
         if isinstance(e, (int, float, str)) or e is None:
             return
         if is_call_to(e, TENSOR_LOAD):
-            found.append(_Load(e.args[0], tuple(e.args[1:]), conds))
+            found.append(TensorLoad(e.args[0], tuple(e.args[1:]), conds))
             for index in e.args[1:]:
                 walk(index, conds)
             return
@@ -198,7 +200,7 @@ def _tests_values_only(cond) -> bool:
         children = (getattr(e, name, None) for name in ("a", "b", "value", "condition", "true_value", "false_value"))
         return all(axis_free(child) for child in children if child is not None and not isinstance(child, (int, float)))
 
-    return bool(_loads(cond)) and axis_free(cond)
+    return bool(tensor_loads(cond)) and axis_free(cond)
 
 
 def _is_true(e) -> bool:
@@ -291,7 +293,7 @@ def access_relations(stage: te.Tensor) -> dict[te.Operation, AccessRelation]:
     sname = isl_name(stage.op.name)
     by_tensor: dict[te.Operation, list] = {}
     for body in stage.op.body:
-        for load in _loads(body):
+        for load in tensor_loads(body):
             by_tensor.setdefault(load.tensor.op, []).append(load)
     result = {}
     order = {t.op: k for k, t in enumerate(stage.op.input_tensors)}

@@ -1,7 +1,7 @@
 """Device models: the few hardware figures the cost model, partitioning and grid sizing need.
 
-The two GPUs are published figures (vendor datasheets for peak throughput and bandwidth,
-the architecture whitepapers for SM count and L2, the CUDA C++ Programming Guide's table
+The GPUs are published figures (vendor datasheets for peak throughput and bandwidth,
+the architecture whitepapers for SM count, clock and L2, the CUDA C++ Programming Guide's table
 "Technical Specifications per Compute Capability" for the per-SM and per-block limits).
 The local CPU is described from ``/proc/cpuinfo`` and a measured memory copy, once per process.
 """
@@ -47,6 +47,14 @@ class DeviceModel:
     l2_bytes: int
     launch_seconds: float  # what starting one more kernel costs; ``codegen.partition`` weighs splits by it
     vector_lanes: int = 1  # fp32 lanes of the vectors the CPU schedules fill (1: a GPU's scalar threads)
+    clock_hz: float = 0.0  # the clock at which ``peak_flops`` is reached (a GPU's boost clock)
+    l2_bandwidth: float = 0.0  # bytes/s between the SMs and L2 (GPUs; ``analysis.latency`` reads it)
+
+    @property
+    def fp32_lanes_per_sm(self) -> int:
+        """FP32 FMA lanes of one SM (or core): the fp32 peak over SMs x 2 FLOPs per FMA x clock,
+        rounded (datasheet peaks are rounded: 67 TFLOP/s gives 128.2 lanes on an H100)."""
+        return round(self.peak("float32") / (2 * self.sms * self.clock_hz))
 
     def peak(self, dtype) -> float:
         """Peak FLOP/s for arithmetic in ``dtype``; a dtype the table lacks is refused, never guessed."""
@@ -65,12 +73,44 @@ class DeviceModel:
 # A kernel launch, as one more kernel in a stream costs end to end: about 3 us for a null kernel
 # "with recent hardware and software" (NVIDIA developer forums, "Too much time for kernel launch
 # latency", 2022: https://forums.developer.nvidia.com/t/too-much-time-for-kernel-launch-latency/233645/3).
-# It is the driver's and the host's cost more than the GPU's, so both GPUs get the same figure.
+# It is the driver's and the host's cost more than the GPU's, so every GPU gets the same figure.
 KERNEL_LAUNCH_SECONDS = 3e-6
+
+# L2 bandwidth: the A100 whitepaper gives 5,120 bytes per clock of L2 read bandwidth (vs 2,048 on V100).
+# NVIDIA publishes no such figure for GH100; the H100 and H200 models take the same 5,120 bytes per
+# clock at their 1.98 GHz boost clock (10.1 TB/s), an assumption to correct once GPU timings exist.
+L2_BYTES_PER_CLOCK = 5120
+
+# NVIDIA H100 SXM5 80GB (GH100, compute capability 9.0). H100 datasheet: 3.35 TB/s HBM3, FP32 67 TFLOP/s,
+# FP16 tensor core 1,979 TFLOP/s with 2:4 sparsity, i.e. 989.5 dense. H100 architecture whitepaper:
+# 132 SMs, 128 FP32 lanes per SM, 50 MB L2; the FP32 peak is reached at 67e12 / (132 x 128 x 2) = 1.98 GHz,
+# the SXM5 boost clock. CUDA Programming Guide, cc 9.0: the same per-SM and per-block limits as the H200.
+H100 = DeviceModel(
+    name="h100",
+    kind="gpu",
+    arch="sm_90",
+    sms=132,
+    peak_flops={"float32": 67e12, "float16": 989.5e12},
+    mem_bandwidth=3.35e12,
+    smem_per_sm=228 * KiB,
+    smem_per_block=227 * KiB,
+    regs_per_sm=64 * KiB,
+    regs_per_block=64 * KiB,
+    max_regs_per_thread=255,
+    max_threads_per_block=1024,
+    max_threads_per_sm=2048,
+    max_blocks_per_sm=32,
+    warp_size=32,
+    l2_bytes=50 * MiB,
+    launch_seconds=KERNEL_LAUNCH_SECONDS,
+    clock_hz=1.98e9,
+    l2_bandwidth=L2_BYTES_PER_CLOCK * 1.98e9,
+)
 
 # NVIDIA H200 SXM (GH100, compute capability 9.0). H200 datasheet: 4.8 TB/s HBM3e, FP32 67 TFLOP/s,
 # FP16 tensor core 1,979 TFLOP/s with 2:4 sparsity, i.e. 989.5 dense. H100 architecture whitepaper
-# (same SXM die configuration): 132 SMs, 50 MB L2. CUDA Programming Guide, cc 9.0: 228 KB shared memory
+# (same SXM die configuration): 132 SMs, 128 FP32 lanes per SM, 50 MB L2, 1.98 GHz boost clock (the FP32
+# peak's clock, as for the H100). CUDA Programming Guide, cc 9.0: 228 KB shared memory
 # per SM, 227 KB per block, 64K registers per SM and per block, 255 per thread, 1024 threads per block,
 # 2048 per SM, 32 blocks per SM.
 H200 = DeviceModel(
@@ -91,10 +131,13 @@ H200 = DeviceModel(
     warp_size=32,
     l2_bytes=50 * MiB,
     launch_seconds=KERNEL_LAUNCH_SECONDS,
+    clock_hz=1.98e9,
+    l2_bandwidth=L2_BYTES_PER_CLOCK * 1.98e9,
 )
 
 # NVIDIA A100 SXM4 40GB (GA100, compute capability 8.0). A100 datasheet: 1,555 GB/s HBM2, FP32
-# 19.5 TFLOP/s, FP16 tensor core 312 TFLOP/s dense. A100 architecture whitepaper: 108 SMs, 40 MB L2.
+# 19.5 TFLOP/s, FP16 tensor core 312 TFLOP/s dense. A100 architecture whitepaper: 108 SMs, 64 FP32 lanes
+# per SM, 1,410 MHz boost clock (19.5e12 = 108 x 64 x 2 x 1.41e9), 40 MB L2 with 5,120 bytes per clock.
 # CUDA Programming Guide, cc 8.0: 164 KB shared memory per SM, 163 KB per block, 64K registers per
 # SM and per block, 255 per thread, 1024 threads per block, 2048 per SM, 32 blocks per SM.
 A100 = DeviceModel(
@@ -115,9 +158,11 @@ A100 = DeviceModel(
     warp_size=32,
     l2_bytes=40 * MiB,
     launch_seconds=KERNEL_LAUNCH_SECONDS,
+    clock_hz=1.41e9,
+    l2_bandwidth=L2_BYTES_PER_CLOCK * 1.41e9,
 )
 
-_GPUS = {"h200": H200, "a100": A100}
+_GPUS = {"h200": H200, "h100": H100, "a100": A100}
 DEVICES = (*_GPUS, "cpu")
 
 DEFAULT_CPU_CLOCK_HZ = 2.0e9  # used only where /proc/cpuinfo gives no "cpu MHz"
@@ -180,6 +225,7 @@ def local_cpu() -> DeviceModel:
         l2_bytes=caches[max(caches)] if caches else 0,
         launch_seconds=0.0,
         vector_lanes=vector_lanes,
+        clock_hz=clock,
     )
 
 

@@ -8,11 +8,18 @@ Per model and level, all levels compiled from the same graph and run on the same
 - the CPU latency of the persistent kernel's staged program (target ``llvm-persistent``: the
   same stages, tiles and barriers run block after block on this CPU), median of ``--repeat``
   runs after one warm-up, and its largest error against PyTorch;
+- the static latency model's estimate of the cuda pipeline's program on ``--device`` (h100 by
+  default; ``analysis.latency``: per stage the schedule as emitted, plus grid barriers and kernel
+  launches) next to the roofline bound (all FLOPs at peak, or weights, inputs and outputs moved
+  once): a model, not a measurement. Without ``--cuda`` the grid comes from the partition's
+  register estimates, with it from ptxas;
 - with ``--cuda``: the CUDA build for sm_80 and sm_90 (kernels in the source, registers of the
-  largest); with ``--gpu`` (a GPU machine with TVM and nvcc): its latency from CUDA events.
+  largest); with ``--gpu`` (a GPU machine with TVM and nvcc): its latency from CUDA events, in the
+  GPU ms column beside the estimate (empty until measured), so the model can be corrected
+  (``--device`` should then name the GPU that runs it).
 
     python scripts/ablation.py [MODEL...] [--config tiny|paper] [--levels 0,1,2,3,4] [--repeat N]
-                               [--no-run] [--cuda] [--gpu] [--name NAME]
+                               [--no-run] [--cuda] [--gpu] [--device h100|h200|a100] [--name NAME]
 
 CPU latencies rank the levels by the work they do, not by what a GPU would take: on the CPU a
 kernel launch and a grid barrier cost nothing. The results go to
@@ -33,16 +40,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 
 import souffle
+from analysis.device import DEVICES, get_device
 from benchmarks import common
+from codegen.latency import latency_estimate
 from codegen.traffic import memory_traffic
 from codegen.pipelines import OPT_LEVELS
 from souffle import models
+from souffle.compiler import run_passes
 
 PACKAGES = ("apache-tvm", "apache-tvm-ffi", "islpy", "numpy", "torch", "cuda-bindings")
 ARCHS = ("sm_80", "sm_90")
 COLUMNS = [("model", "model"), ("level", "level"), ("kernels", "kernels"), ("launches", "launches"),
            ("barriers_executed", "grid barriers"), ("read_mb", "read MB"), ("write_mb", "written MB"),
-           ("cpu_ms", "CPU ms"), ("max_abs_error", "max abs error"), ("cuda", "CUDA"), ("gpu_ms", "GPU ms")]
+           ("cpu_ms", "CPU ms"), ("max_abs_error", "max abs error"), ("cuda", "CUDA"), ("roofline_ms", "roofline ms"),
+           ("estimate_ms", "estimate ms"), ("gpu_ms", "GPU ms")]
+GPUS = [name for name in DEVICES if get_device(name).kind == "gpu"]
 
 
 def measure(name: str, config: str, level: int, graph, inputs, expected, args) -> dict:
@@ -65,14 +77,31 @@ def measure(name: str, config: str, level: int, graph, inputs, expected, args) -
         samples = model.benchmark(inputs, repeat=args.repeat)
         row["cpu_ms"] = statistics.median(samples) * 1e3
     if args.cuda or args.gpu:
-        row.update(cuda_build(graph, level, inputs, args.gpu, args.repeat))
+        model = souffle.compile(graph, target="cuda", opt_level=level, device=args.device)
+        row.update(cuda_build(model, inputs, args.gpu, args.repeat))
+        estimate = model.latency
+    else:
+        estimate = latency_estimate(run_passes(graph, "cuda", stop="plan_arena", device=args.device,
+                                               opt_level=level).ir, get_device(args.device))
+    row.update(latency_columns(estimate))
     return row
 
 
-def cuda_build(graph, level: int, inputs, on_gpu: bool, repeat: int) -> dict:
+def latency_columns(estimate) -> dict:
+    """The latency model's estimate and the roofline bound, with what the estimate is made of."""
+    gemms = estimate.gemm_stages()
+    return {"estimate_device": estimate.device.name, "estimate_ms": estimate.seconds * 1e3,
+            "roofline_ms": estimate.roofline_seconds * 1e3, "estimate_stages_ms": estimate.stage_seconds * 1e3,
+            "estimate_barriers_ms": estimate.barrier_seconds * 1e3,
+            "estimate_launches_ms": estimate.launch_seconds * 1e3,
+            "gemm_stages": len(gemms),
+            "gemm_best_fraction_of_peak": max((s.fraction_of_peak for s in gemms), default=None),
+            "estimate": estimate.summary()}
+
+
+def cuda_build(model, inputs, on_gpu: bool, repeat: int) -> dict:
     from souffle.runtime.cuda import compile_cubin
 
-    model = souffle.compile(graph, target="cuda", opt_level=level)
     for arch in ARCHS:
         compile_cubin(model.source, arch, tuple(model.kernel_plan.kernel_names))
     kernels = f"{model.kernel_count} kernel{'s' * (model.kernel_count != 1)}"
@@ -99,15 +128,23 @@ def _printable(row: dict) -> dict:
     out["write_mb"] = f"{row['write_bytes'] / 1e6:.6f}"
     if "cpu_ms" in row:
         out["cpu_ms"] = f"{row['cpu_ms']:.3f}"
-    if "gpu_ms" in row:
-        out["gpu_ms"] = f"{row['gpu_ms']:.3f}"
+    for key in ("gpu_ms", "estimate_ms", "roofline_ms"):
+        if key in row:
+            out[key] = f"{row[key]:.3g}"
     if "max_abs_error" in row:
         out["max_abs_error"] = f"{row['max_abs_error']:.2g}"
     return out
 
 
 def table(rows: list[dict]) -> str:
-    columns = [(key, title) for key, title in COLUMNS if any(key in r or key[:-3] + "_bytes" in r for r in rows)]
+    """The rows as markdown; the GPU ms column stands beside the estimates even while empty."""
+    estimated = [r for r in rows if "estimate_ms" in r]
+    columns = [(key, title) for key, title in COLUMNS if any(key in r or key[:-3] + "_bytes" in r for r in rows)
+               or (key == "gpu_ms" and estimated)]
+    if estimated:
+        device = estimated[0]["estimate_device"]
+        columns = [(key, f"{title} ({device})" if key in ("estimate_ms", "roofline_ms") else title)
+                   for key, title in columns]
     lines = ["| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
     for row in map(_printable, rows):
         lines.append("| " + " | ".join(str(row.get(key, "")) for key, _ in columns) + " |")
@@ -120,9 +157,12 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="tiny", choices=("tiny", "paper"))
     p.add_argument("--levels", type=_levels, default=list(OPT_LEVELS), help="comma-separated opt levels (0-4)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs per level (the median is reported)")
-    p.add_argument("--no-run", action="store_true", help="compile and count only: no CPU run, check or latency")
+    p.add_argument("--no-run", action="store_true",
+                   help="compile and count only: no CPU run, check or CPU latency (the estimate is made)")
     p.add_argument("--cuda", action="store_true", help="also build the CUDA kernels for sm_80 and sm_90 (needs nvcc)")
     p.add_argument("--gpu", action="store_true", help="also time the cuda build on this machine's GPU")
+    p.add_argument("--device", default="h100", choices=GPUS,
+                   help="GPU device model of the latency estimate and the cuda build (default h100)")
     p.add_argument("--name", help="results file name in benchmarks/results (default ablation_<config>)")
     args = p.parse_args(argv)
     names = args.models or list(models.MODELS)
@@ -139,6 +179,8 @@ def main(argv=None) -> int:
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     timing = ("CPU: the llvm-persistent staged program, median of --repeat runs after one warm-up (TVM's time "
               "evaluator); GPU: CUDA events" if not args.no_run else "not run (--no-run)")
+    timing += (f"; estimate: the static latency model (analysis.latency) of the cuda program on the {args.device} "
+               "model, not a measurement")
     common.publish(args.name or f"ablation_{args.config}", rows, table(rows), PACKAGES, timing)
     failed = [f"{r['model']} {r['level']}" for r in rows if r.get("matches_pytorch") is False]
     if failed:

@@ -162,7 +162,9 @@ def _parser() -> argparse.ArgumentParser:
                              help="llvm (CPU), cuda (one persistent kernel; running needs a GPU), "
                                   "llvm-persistent (the CUDA kernel's stages run on the CPU), or cuda-emulated (the "
                                   "CUDA kernel's source run on the CPU, each GPU thread a fiber)")
-    compile_cmd.add_argument("--device", default=None, help="GPU device model sizing the cuda grid: h200 (default) or a100")
+    compile_cmd.add_argument("--device", default=None,
+                             help="GPU device model sizing the cuda grid and the latency estimate: h200 (default), h100 "
+                                  "or a100")
     compile_cmd.add_argument("--threads", type=int, default=None, help="threads per block of the persistent kernel (256)")
     compile_cmd.add_argument("--opt-level", type=int, default=None, metavar="{0,1,2,3,4}",
                              help="the persistent kernel's optimizations (cuda, llvm-persistent): 0 one kernel per TE, "
@@ -193,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
         "analyze", help="classify every TE's dependences, reuse, FLOPs and bytes (the global analysis)")
     analyze_cmd.add_argument("model", help=f"one of: {', '.join(MODELS)}")
     analyze_cmd.add_argument("--config", default="tiny", type=_model_config, help=CONFIG_HELP)
-    analyze_cmd.add_argument("--device", default="h200", help="device model for the roofline: h200, a100 or cpu")
+    analyze_cmd.add_argument("--device", default="h200", help="device model for the roofline: h200, h100, a100 or cpu")
     analyze_cmd.add_argument("--json", action="store_true", help="print every TE and the summary as JSON")
     analyze_cmd.set_defaults(run=_analyze)
     passes_cmd = commands.add_parser("passes", help="print each target's pipeline: its passes in order")

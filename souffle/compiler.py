@@ -40,7 +40,7 @@ def compile(graph: Graph, target: str = "llvm", device: str | None = None, threa
     - ``"cuda"``: ONE persistent, grid-synchronized CUDA kernel. Compiling needs nvcc, not a
       GPU: ``.source``, ``.resources`` and ``.report()`` work anywhere; running needs a GPU.
       ``device`` names the device model that sizes the grid when no GPU is present
-      (``"h200"`` by default, or ``"a100"``).
+      (``"h200"`` by default, ``"h100"`` or ``"a100"``) and the report's latency estimate.
     - ``"llvm-persistent"``: the CUDA kernel's staged program (its stages, tiles, barriers
       and scratch layout) run on the CPU, block after block — to check that program anywhere.
     - ``"cuda-emulated"``: the ``"cuda"`` kernels' very source built with the host C++ compiler

@@ -9,6 +9,8 @@ cuda-python and launches it cooperatively, sizing the grid with the driver's occ
 
 from __future__ import annotations
 
+import functools
+
 from souffle.compiled import CompiledModel, Report, check_count
 from souffle.passes import PipelineRun
 from souffle.runtime.artifact import KernelArtifact, Launcher, TensorSlot
@@ -42,6 +44,15 @@ class CudaModel(CompiledModel):
         self.argument_order = kernels.argument_orders[widest]
         self.kernel_count = kernel_count(self.source)
         self._gpu = None
+
+    @functools.cached_property
+    def latency(self):
+        """The static latency model's estimate (``analysis.latency``) of the kernels on the device
+        model they were compiled for, each kernel's grid from its ptxas figures."""
+        from codegen.latency import latency_estimate
+
+        occupancies = [self.kernel_occupancy[name] for name in self.kernel_plan.kernel_names]
+        return latency_estimate(self.plan, self.device_model, occupancies)
 
     def artifact(self, config: str | None = None, seed: int = 0, archs: tuple[str, ...] = ()) -> KernelArtifact:
         """The kernel as a TVM-free artifact (``souffle.runtime.artifact``), with cubins for
@@ -104,6 +115,7 @@ class CudaModel(CompiledModel):
                                 f"{r.shared_bytes} B static + {self.plan.on_chip_bytes} B dynamic shared memory, "
                                 f"{r.spill_bytes} B spilled")
         report.extra["co-residency"] = str(self.occupancy)
+        report.extra.update(self.latency.summary())
         return report
 
 

@@ -57,6 +57,14 @@ def test_cuda_compile_without_running_prints_the_kernel_report(capsys, tmp_path)
     out = capsys.readouterr().out
     assert "kernels        1" in out and "co-residency   h200:" in out and "grid barriers  0 (0 executed)" in out
     assert source.read_text().count("__global__") == 2  # one kernel: its declaration and definition
+    assert "latency model  h200: " in out and "(a static model, not a measurement)" in out
+    assert "roofline bound " in out and "slowest stages " in out
+
+
+def test_cuda_report_estimates_on_the_chosen_device(capsys):
+    assert main(["compile", "mmoe", "--target", "cuda", "--no-run", "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "co-residency   h100:" in out and "latency model  h100: " in out and " on h100 (the estimate is " in out
 
 
 def test_emit_source_that_cannot_be_written_is_refused_before_compiling(capsys, tmp_path, monkeypatch):
@@ -100,7 +108,7 @@ def test_analyze_json_for_tools(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["analyze", "lstm", "--device", "tpu"], "unknown device 'tpu'; known devices: h200, a100, cpu"),
+    (["analyze", "lstm", "--device", "tpu"], "unknown device 'tpu'; known devices: h200, h100, a100, cpu"),
     (["analyze", "gpt5"], "unknown model 'gpt5'"),
 ])
 def test_analyze_refuses_unknown_names(capsys, argv, message):

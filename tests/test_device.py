@@ -10,6 +10,7 @@ from analysis import device
 from analysis.device import (
     A100,
     DEVICES,
+    H100,
     H200,
     get_device,
     local_cpu,
@@ -28,6 +29,23 @@ def test_h200_figures():
     assert (H200.regs_per_sm, H200.regs_per_block, H200.max_regs_per_thread) == (65536, 65536, 255)
     assert (H200.max_threads_per_block, H200.max_threads_per_sm, H200.max_blocks_per_sm) == (1024, 2048, 32)
     assert (H200.warp_size, H200.l2_bytes) == (32, 50 * MiB)
+
+
+def test_h100_figures():
+    assert (H100.name, H100.kind, H100.arch, H100.sms) == ("h100", "gpu", "sm_90", 132)
+    assert H100.peak_flops == {"float32": 67e12, "float16": 989.5e12}
+    assert H100.mem_bandwidth == 3.35e12
+    assert (H100.smem_per_sm, H100.smem_per_block) == (228 * KiB, 227 * KiB)
+    assert (H100.regs_per_sm, H100.regs_per_block, H100.max_regs_per_thread) == (65536, 65536, 255)
+    assert (H100.max_threads_per_block, H100.max_threads_per_sm, H100.max_blocks_per_sm) == (1024, 2048, 32)
+    assert (H100.warp_size, H100.l2_bytes) == (32, 50 * MiB)
+
+
+def test_clocks_lanes_and_l2_bandwidth():
+    # the clock at which the FP32 peak is reached: peak = SMs x lanes x 2 x clock
+    assert [(d.clock_hz, d.fp32_lanes_per_sm) for d in (H100, H200, A100)] == [(1.98e9, 128), (1.98e9, 128),
+                                                                                (1.41e9, 64)]
+    assert [d.l2_bandwidth for d in (H100, H200, A100)] == [5120 * 1.98e9, 5120 * 1.98e9, 5120 * 1.41e9]
 
 
 def test_a100_figures():
@@ -62,7 +80,8 @@ def test_models_are_frozen_and_hashable():
 
 
 def test_get_device_is_case_insensitive():
-    assert DEVICES == ("h200", "a100", "cpu")
+    assert DEVICES == ("h200", "h100", "a100", "cpu")
+    assert get_device("H100") is H100
     assert get_device("h200") is H200
     assert get_device("H200") is H200
     assert get_device("A100") is A100
@@ -73,7 +92,7 @@ def test_unknown_device_names_the_known_ones():
     with pytest.raises(UnknownDeviceError) as info:
         get_device("v100")
     assert isinstance(info.value, SouffleError) and isinstance(info.value, KeyError)
-    assert str(info.value) == "unknown device 'v100'; known devices: h200, a100, cpu"
+    assert str(info.value) == "unknown device 'v100'; known devices: h200, h100, a100, cpu"
 
 
 def test_local_cpu_is_positive_and_consistent():

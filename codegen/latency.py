@@ -1,0 +1,404 @@
+"""The facts ``analysis.latency`` estimates a staged program from, read off its stages as they
+are scheduled and emitted (``codegen.schedule``, ``codegen.cuda``), not as they could be.
+
+Per stage, from its template, tiles and epilogue:
+
+- who works: an elementwise or thread_reduce tile gives one output to each of its threads, a
+  warp_reduce tile one output to each warp, its 32 lanes splitting the reduction;
+- where the reduction accumulates: a thread_reduce stage without an epilogue accumulates in its
+  output, in global memory, and stores it at every reduction step (the PTX nvcc 13 emits for
+  one keeps the store in the loop: the arena's views alias, ``ARCHITECTURE.md``); with an
+  epilogue, or in a warp_reduce stage, the accumulator is a register;
+- the dependent chain of one thread through a tile: a step of a register-accumulated reduction
+  has no store, so nvcc unrolls its loop and issues several steps' loads at once
+  (``UNROLLED_STEPS``); a global accumulator's store orders each step's loads after the last;
+- every memory instruction a warp runs, with the 32-byte sectors its 32 lanes touch, from the
+  TE's index expressions evaluated at a representative warp (the middle tile's first warp, the
+  middle of the reduction): consecutive threads on consecutive outputs, or for warp_reduce
+  consecutive lanes on consecutive reduction steps. A load whose index reads memory (a gather)
+  is taken as one sector per lane. A weight kept on chip (``Stage.on_chip``) is a shared-memory
+  load;
+- the sectors one tile reads from L2, each once (isl, on the stage's read relations: the middle
+  tile's footprint), and the stage's DRAM bytes (``codegen.traffic``).
+
+No template issues tensor-core instructions today, so ``tensor_core`` is False for every stage.
+Each stage's kernel gives its grid and co-resident blocks: from ptxas where the caller has them
+(``occupancies``, one per kernel in launch order), else estimated like ``codegen.partition``
+does before ptxas runs (``stage_registers``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import islpy as isl
+import numpy as np
+from tvm import te, tirx
+from tvm_ffi import structural_equal
+
+from analysis.characterize import count_flops
+from analysis.dependence import count_points, iteration_domain, tensor_loads
+from analysis.device import DeviceModel, Occupancy, co_resident_grid
+from analysis.latency import SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork, estimate_program
+from codegen.partition import stage_registers
+from codegen.schedule import WARP
+from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, tiles_of
+from codegen.traffic import StageTraffic, compulsory_bytes, memory_traffic
+
+# Steps of a register-accumulated reduction whose loads one thread has in flight at once: nvcc 13
+# unrolls the k loop of a thread_reduce dense with a register accumulator by 8, every load of the
+# unrolled body independent of the others (checked on its PTX, sm_90, K = 128).
+UNROLLED_STEPS = 8
+SHUFFLE_ROUNDS = int(math.log2(WARP)) + 1  # TVM's warp all-reduce: 5 shfl_down rounds, then one shfl broadcast
+
+
+def latency_estimate(staged: StagedProgram, device: DeviceModel,
+                     occupancies: list[Occupancy] | None = None) -> LatencyEstimate:
+    """``staged`` estimated on ``device`` (``analysis.latency``); ``occupancies``: each kernel's, from ptxas."""
+    return estimate_program(staged.name, stage_works(staged, device, occupancies),
+                            staged.barrier_count(executed=True), staged.kernel_count(executed=True),
+                            compulsory_bytes(staged), device)
+
+
+def stage_works(staged: StagedProgram, device: DeviceModel,
+                occupancies: list[Occupancy] | None = None) -> list[StageWork]:
+    """One ``StageWork`` per stage and per on-chip weight load, in program order (as
+    ``codegen.traffic`` lists them); loop bodies once, with their executions."""
+    runs = _kernel_runs(staged.items)
+    kernels = max((kernel for _, kernel, _ in runs), default=-1) + 1
+    if occupancies is not None and len(occupancies) != kernels:
+        raise ValueError(f"{staged.name}: {len(occupancies)} occupancies for {kernels} kernels")
+    members = [[item for item, kernel, _ in runs if kernel == k] for k in range(kernels)]
+    if occupancies is None:
+        occupancies = [_estimated_occupancy(items, staged.threads, device) for items in members]
+    grids = [min(occupancy.grid, max(s.schedule.n_tiles for s in items if isinstance(s, Stage)))
+             for occupancy, items in zip(occupancies, members)]
+    traffic = memory_traffic(staged).stages
+    works = []
+    for (item, kernel, executions), row in zip(runs, traffic):
+        shape = (grids[kernel], occupancies[kernel].blocks_per_sm)
+        if isinstance(item, OnChip):
+            works.append(_load_work(item, executions, staged.threads, *shape, row.bytes_read))
+        else:
+            works.append(_stage_work(item, executions, *shape, row))
+    return works
+
+
+def _kernel_runs(items: list) -> list[tuple[Stage | OnChip, int, int]]:
+    """(stage or on-chip load, its kernel's index, executions per inference), in program order,
+    the kernels numbered as ``codegen.cuda.kernel_plan`` makes them: a new one at every item with
+    a ``launch``, and after every loop the host runs (whose body's kernels come between)."""
+    runs: list = []
+    kernel, open_run = -1, False
+
+    def visit(items: list, executions: int):
+        nonlocal kernel, open_run
+        for item in items:
+            if isinstance(item, Loop) and item.on_host:
+                open_run = False
+                visit(item.items, executions * item.trips)
+                open_run = False
+                continue
+            if item.launch is not None or not open_run:
+                kernel, open_run = kernel + 1, True
+            if isinstance(item, Loop):
+                runs.extend((load, kernel, executions) for load in item.loads)
+                visit(item.items, executions * item.trips)
+            else:
+                runs.append((item, kernel, executions))
+
+    visit(items, 1)
+    return runs
+
+
+def _estimated_occupancy(items: list, threads: int, device: DeviceModel) -> Occupancy:
+    """A kernel's co-resident grid before ptxas: its stages' register estimates, its largest
+    stage's shared memory plus its on-chip weights."""
+    stages = [item for item in items if isinstance(item, Stage)]
+    loads = [item for item in items if isinstance(item, OnChip)]
+    return co_resident_grid(max(stage_registers(s) for s in stages),
+                            max(s.schedule.shared_bytes for s in stages) + sum(load.bytes for load in loads),
+                            device, threads)
+
+
+def _load_work(load: OnChip, executions: int, threads: int, grid: int, blocks_per_sm: int, dram: int) -> StageWork:
+    """Each block's copy of its on-chip weight slices: coalesced loads by all its threads, stored
+    to shared memory, then a ``__syncthreads``."""
+    itemsize = np.dtype(load.dtype).itemsize
+    instructions = -(-load.elements // WARP)
+    name = load.source.spec.name
+    return StageWork(
+        name=f"on-chip load of {name}", template="on-chip load", dtype=load.dtype, executions=executions,
+        n_tiles=grid, threads=threads, active_threads=threads, grid=grid, blocks_per_sm=blocks_per_sm, flops=0,
+        tensor_core=False, gemm=False, memory_steps=1, on_chip_steps=0, block_barriers=1,
+        accesses=(MemoryAccess(name, "load", "global", instructions, -(-WARP * itemsize // SECTOR_BYTES)),
+                  MemoryAccess(name, "store", "shared", instructions, 1)),
+        l2_read_bytes=load.elements * itemsize, dram_bytes=dram)
+
+
+def _reduction(stage: Stage) -> te.Tensor | None:
+    """The reduction ``stage`` computes: its TE, or the one fused into its epilogue; None if element-wise."""
+    if stage.epilogue is None:
+        return stage.tensor if stage.tensor.op.reduce_axis else None
+    return next(t for t in stage.tensor.op.input_tensors if getattr(t.op, "reduce_axis", None))
+
+
+def _reduction_length(reduction: te.Tensor) -> int:
+    """Terms per output, on average where the reduction's extent varies (adaptive pooling)."""
+    return max(1, count_points(iteration_domain(reduction)) // _size(reduction))
+
+
+def _reduce_box(reduction: te.Tensor) -> list[tuple[int, int]]:
+    """(lowest value, extent) of each reduce axis over the whole iteration domain."""
+    domain = iteration_domain(reduction)
+    n_spatial = len(reduction.op.axis)
+    bounds = [(domain.dim_min_val(d).to_python(), domain.dim_max_val(d).to_python())
+              for d in range(n_spatial, n_spatial + len(reduction.op.reduce_axis))]
+    return [(lowest, highest - lowest + 1) for lowest, highest in bounds]
+
+
+def _is_gemm(reduction: te.Tensor | None) -> bool:
+    """A sum of products whose two factors are each reused along an output axis the other
+    varies with (an axis longer than 1): dense, matmul, convolution. Not a GEMV (its vector
+    factor is reused, its matrix is not) nor a variance (both factors vary alike)."""
+    if reduction is None:
+        return False
+    source = reduction.op.body[0].source[0]
+    while isinstance(source, tirx.Cast):
+        source = source.value
+    if not isinstance(source, tirx.Mul):
+        return False
+    axes = [ax.var for ax in reduction.op.axis if int(ax.dom.extent) > 1]
+
+    def varies_with(factor) -> set[int]:
+        used = [v for load in tensor_loads(factor) for i in load.indices for v in tirx.analysis.undefined_vars(i)]
+        return {k for k, var in enumerate(axes) if any(var.same_as(v) for v in used)}
+
+    left, right = varies_with(source.a), varies_with(source.b)
+    return bool(left - right) and bool(right - left)
+
+
+def _size(tensor: te.Tensor) -> int:
+    return math.prod(int(d) for d in tensor.shape)
+
+
+def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, traffic: StageTraffic) -> StageWork:
+    """What one execution of ``stage`` makes the GPU do (see the module docstring). Its bytes
+    from L2 and DRAM are at most what its loads request: a gather's read relation spans the whole
+    table it indexes (``codegen.traffic``), its loads only the rows they fetch."""
+    schedule = stage.schedule
+    threads, template = schedule.threads, schedule.template
+    warps = threads // WARP
+    tile = schedule.n_tiles // 2
+    holders = {p.op: k for k, p in enumerate(stage.placeholders)}
+    reduction = _reduction(stage)
+    accesses: list[MemoryAccess] = []
+
+    def loads_of(loads: list, lanes: list | None, count: int):
+        """One access per load, ``count`` per tile: from shared memory for an on-chip weight;
+        ``lanes`` None: one lane loads (a warp's result)."""
+        for load in loads:
+            space = "shared" if holders[load.tensor.op] in stage.on_chip else "global"
+            sectors = _sectors(load, lanes) if space == "global" and lanes is not None else 1
+            accesses.append(MemoryAccess(load.tensor.op.name, "load", space, count, sectors))
+
+    if reduction is None:  # elementwise: one output per thread in each round of the tile
+        active = min(threads, schedule.outputs)
+        lanes = _thread_lanes(stage.tensor, tile * schedule.per_tile)
+        count = -(-min(schedule.per_tile, schedule.outputs) // WARP)
+        loads_of(_loads(stage.tensor), lanes, count)
+        memory_steps, on_chip_steps, barriers = int(bool(accesses)), 0, 0
+        stored = _store_sectors(stage.tensor, lanes)
+        accesses.append(MemoryAccess(stage.tensor.op.name, "store", "global", count, stored))
+    else:
+        terms, outputs = _reduction_length(reduction), _size(reduction)
+        loads = _loads(reduction)
+        if template == "thread_reduce":  # one output per thread, the reduction serial
+            active = min(threads, outputs)
+            lanes = _thread_lanes(reduction, tile * threads)
+            results = -(-active // WARP)
+            instructions = results * terms
+            in_register = stage.epilogue is not None
+            steps = -(-terms // UNROLLED_STEPS) if in_register else terms
+            result_sectors = _store_sectors(reduction, lanes)
+            on_chip_steps = 0
+        else:  # warp_reduce: one output per warp, its lanes along the reduction, then shuffles
+            results = min(warps, outputs)
+            active = WARP * results
+            lanes = _reduction_lanes(reduction, min(tile * warps, outputs - 1), terms)
+            per_lane = -(-terms // WARP)
+            instructions = results * per_lane
+            in_register = True
+            steps = -(-per_lane // UNROLLED_STEPS)
+            result_sectors = 1
+            on_chip_steps = SHUFFLE_ROUNDS
+        loads_of(loads, lanes, instructions)
+        if all(a.space == "shared" for a in accesses):
+            memory_steps, on_chip_steps = 0, on_chip_steps + steps
+        else:
+            memory_steps = steps
+        barriers = 0
+        if not in_register:  # the accumulator is the output: stored at every reduction step
+            accesses.append(MemoryAccess(reduction.op.name, "store", "global", instructions, result_sectors))
+        elif stage.epilogue is None:
+            accesses.append(MemoryAccess(reduction.op.name, "store", "global", results, result_sectors))
+        else:
+            epilogue = [load for load in _loads(stage.tensor) if not load.tensor.op.same_as(reduction.op)]
+            if stage.epilogue == "register":  # in the thread (or warp) holding each result
+                consumer_lanes = _thread_lanes(stage.tensor, tile * threads) if template == "thread_reduce" else None
+                count = results
+            else:  # the tile's results through shared memory, the epilogue over the whole block
+                consumer_lanes = _thread_lanes(stage.tensor, tile * schedule.per_tile)
+                count = -(-schedule.per_tile // WARP)
+                accesses += [MemoryAccess(reduction.op.name, "store", "shared", results, 1),
+                             MemoryAccess(reduction.op.name, "load", "shared", count, 1)]
+                barriers = 2
+            loads_of(epilogue, consumer_lanes, count)
+            memory_steps += int(bool(epilogue))
+            sectors = 1 if consumer_lanes is None else _store_sectors(stage.tensor, consumer_lanes)
+            accesses.append(MemoryAccess(stage.tensor.op.name, "store", "global", count, sectors))
+    flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
+    requested: dict[str, int] = {}  # global bytes each input's loads request per tile
+    for a in accesses:
+        if a.kind == "load" and a.space == "global":
+            requested[a.tensor] = requested.get(a.tensor, 0) + a.per_tile * a.sectors * SECTOR_BYTES
+    global_reads = [(k, requested.get(stage.placeholders[k].op.name, 0)) for k in range(len(stage.reads))
+                    if k not in stage.on_chip]
+    return StageWork(
+        name=stage.name, template=template, dtype=str(stage.tensor.dtype), executions=executions,
+        n_tiles=schedule.n_tiles, threads=threads, active_threads=active, grid=grid, blocks_per_sm=blocks_per_sm,
+        flops=flops, tensor_core=False, gemm=_is_gemm(reduction), memory_steps=memory_steps,
+        on_chip_steps=on_chip_steps, block_barriers=barriers, accesses=tuple(accesses),
+        l2_read_bytes=sum(min(_tile_read_bytes(stage, k, tile), asked) for k, asked in global_reads),
+        dram_bytes=sum(min(traffic.reads[k][1], asked * schedule.n_tiles) for k, asked in global_reads)
+        + traffic.bytes_written, block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
+
+
+# -- one warp's accesses, evaluated at a representative warp --------------------------------------
+def _loads(tensor: te.Tensor) -> list:
+    """The loads ``tensor``'s body issues, each distinct (tensor, indices) once: nvcc loads an
+    element the expression reads twice (an inlined ``x * sigmoid(x)``) once."""
+    distinct: list = []
+    for body in tensor.op.body:
+        for load in tensor_loads(body):
+            if not any(seen.tensor.op.same_as(load.tensor.op)
+                       and structural_equal(list(seen.indices), list(load.indices)) for seen in distinct):
+                distinct.append(load)
+    return distinct
+
+
+def _unflatten(flat: int, extents: list[int]) -> list[int]:
+    index = []
+    for extent in reversed(extents):
+        index.append(flat % extent)
+        flat //= extent
+    return index[::-1]
+
+
+def _thread_lanes(tensor: te.Tensor, first: int) -> list[tuple[int, dict]]:
+    """(flat output index, axis values) of the lanes of a warp whose threads take consecutive
+    outputs of ``tensor`` from ``first`` (lanes past the last output are idle), each at the
+    middle of the reduction."""
+    op = tensor.op
+    shape = [int(d) for d in tensor.shape]
+    box = _reduce_box(tensor) if getattr(op, "reduce_axis", None) else []
+    middle = {ax.var: lower + extent // 2 for ax, (lower, extent) in zip(getattr(op, "reduce_axis", []), box)}
+    return [(flat, {**dict(zip((ax.var for ax in op.axis), _unflatten(flat, shape))), **middle})
+            for flat in range(first, min(first + WARP, _size(tensor)))]
+
+
+def _reduction_lanes(reduction: te.Tensor, output: int, terms: int) -> list[tuple[int, dict]]:
+    """(flat output index, axis values) of a warp_reduce warp's lanes: output ``output``,
+    consecutive steps of the (row-major fused) reduction from its middle."""
+    op = reduction.op
+    spatial = dict(zip((ax.var for ax in op.axis), _unflatten(output, [int(d) for d in reduction.shape])))
+    box = _reduce_box(reduction)
+    start = (terms // 2) // WARP * WARP
+    lanes = []
+    for step in range(start, min(start + WARP, terms)):
+        index = _unflatten(step, [extent for _, extent in box])
+        reduce = {ax.var: lower + r for ax, (lower, _), r in zip(op.reduce_axis, box, index)}
+        lanes.append((output, {**spatial, **reduce}))
+    return lanes
+
+
+def _sectors(load, lanes: list[tuple[int, dict]]) -> int:
+    """Distinct 32-byte sectors the lanes' loads of ``load`` touch (row-major, from the tensor's
+    start); a lane whose index cannot be evaluated (it reads memory) counts as its own sector."""
+    shape = [int(d) for d in load.tensor.shape]
+    itemsize = np.dtype(str(load.tensor.dtype)).itemsize
+    sectors: set = set()
+    for lane, (_, env) in enumerate(lanes):
+        index = [_value(i, env) for i in load.indices]
+        if any(i is None for i in index):
+            sectors.add(("lane", lane))
+            continue
+        flat = 0
+        for i, extent in zip(index, shape):
+            flat = flat * extent + i
+        sectors.add(flat * itemsize // SECTOR_BYTES)
+    return max(1, len(sectors))
+
+
+def _store_sectors(tensor: te.Tensor, lanes: list[tuple[int, dict]]) -> int:
+    """Distinct sectors of ``tensor``'s output the lanes store, one output each."""
+    itemsize = np.dtype(str(tensor.dtype)).itemsize
+    return max(1, len({flat * itemsize // SECTOR_BYTES for flat, _ in lanes}))
+
+
+_BINARY = {
+    tirx.Add: lambda a, b: a + b,
+    tirx.Sub: lambda a, b: a - b,
+    tirx.Mul: lambda a, b: a * b,
+    tirx.FloorDiv: lambda a, b: a // b,
+    tirx.FloorMod: lambda a, b: a % b,
+    tirx.Div: lambda a, b: int(a / b),
+    tirx.Mod: lambda a, b: a - b * int(a / b),
+    tirx.Min: min,
+    tirx.Max: max,
+    tirx.LT: lambda a, b: a < b,
+    tirx.LE: lambda a, b: a <= b,
+    tirx.GT: lambda a, b: a > b,
+    tirx.GE: lambda a, b: a >= b,
+    tirx.EQ: lambda a, b: a == b,
+    tirx.NE: lambda a, b: a != b,
+    tirx.And: lambda a, b: a and b,
+    tirx.Or: lambda a, b: a or b,
+}
+
+
+def _value(expr, env: dict) -> int | None:
+    """``expr`` (integer index arithmetic) at the axis values ``env``; None where it reads memory
+    or is not index arithmetic."""
+    if isinstance(expr, tirx.IntImm):
+        return int(expr.value)
+    if isinstance(expr, tirx.Var):
+        return env.get(expr)
+    if isinstance(expr, tirx.Cast):
+        return _value(expr.value, env)
+    if isinstance(expr, tirx.Select):
+        condition = _value(expr.condition, env)
+        return None if condition is None else _value(expr.true_value if condition else expr.false_value, env)
+    operation = _BINARY.get(type(expr))
+    if operation is None:
+        return None
+    a, b = _value(expr.a, env), _value(expr.b, env)
+    if a is None or b is None or (b == 0 and type(expr) in (tirx.FloorDiv, tirx.FloorMod, tirx.Div, tirx.Mod)):
+        return None
+    return int(operation(a, b))
+
+
+# -- what one tile reads from L2 ------------------------------------------------------------------
+def _tile_read_bytes(stage: Stage, read: int, tile: int) -> int:
+    """Bytes of the 32-byte sectors tile ``tile`` of ``stage`` reads of its ``read``-th input,
+    each sector once: L1 serves the tile's reuse of a sector, L2 the first touch."""
+    holder = stage.placeholders[read]
+    relation, _ = stage.read_relation(holder)
+    tiles = tiles_of(relation.get_tuple_name(isl.dim_type.in_), stage.tensor.shape, stage.schedule.per_tile, "T")
+    outputs = tiles.intersect_range(isl.Set(f"{{ T[{tile}] }}")).domain()
+    elements = relation.intersect_domain(outputs).range()
+    names = [f"a{k}" for k in range(len(holder.shape))]
+    per_sector = max(1, SECTOR_BYTES // np.dtype(str(holder.dtype)).itemsize)
+    sector = isl.Map(f"{{ {relation.get_tuple_name(isl.dim_type.out)}[{', '.join(names)}] -> S[s] : "
+                     f"s = floor(({flat_index(names, holder.shape)})/{per_sector}) }}")
+    return count_points(elements.apply(sector)) * SECTOR_BYTES

@@ -1,0 +1,170 @@
+"""The static latency model (analysis.latency) and the facts it reads off a staged program
+(codegen.latency): a dense layer's stage worked out by hand on the H100 model, and the model's
+response to tiles, barriers, launches and the accumulator's place."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from analysis.device import DEVICES, H100, get_device
+from analysis.latency import (
+    DRAM_CYCLES,
+    GRID_SYNC_SECONDS,
+    L1_HIT_CYCLES,
+    L2_HIT_CYCLES,
+    MemoryAccess,
+    StageWork,
+    estimate_program,
+    estimate_stage,
+)
+from codegen.latency import latency_estimate, stage_works
+from souffle.compiler import run_passes
+from souffle.graph import GraphBuilder
+
+M, N, K = 512, 256, 128  # x [M, K] times w [N, K]^T: 131072 outputs, one per thread of 512 tiles
+
+
+def _dense():
+    """relu(x @ w.T + b): at O4 one thread_reduce stage with a register epilogue; at O2 the
+    matmul accumulating in its output, then an elementwise stage."""
+    b = GraphBuilder("dense")
+    x = b.input("x", (M, K))
+    w = b.param("w", np.ones((N, K), np.float32))
+    bias = b.param("b", np.ones((N,), np.float32))
+    return b.build(b.op("relu", b.op("dense", x, w, bias, name="fc"), name="act"))
+
+
+@pytest.fixture(scope="module")
+def dense_works():
+    graph = _dense()
+    return {level: stage_works(run_passes(graph, "cuda", stop="plan_arena", device="h100", opt_level=level).ir, H100)
+            for level in (2, 4)}
+
+
+def test_h100_is_a_device_everywhere_a_name_is():
+    assert "h100" in DEVICES and get_device("h100") is H100
+    assert run_passes(_dense(), "cuda", stop="stage", device="h100", opt_level=4).options.device is H100
+
+
+def test_dense_stage_facts_by_hand(dense_works):
+    (work,) = dense_works[4]
+    assert (work.template, work.n_tiles, work.threads, work.active_threads) == ("thread_reduce", 512, 256, 256)
+    # no ptxas: 32 registers (thread_reduce's estimate) x 256 threads -> 8 blocks per SM, grid 1056, 512 tiles
+    assert (work.grid, work.blocks_per_sm) == (512, 8)
+    assert work.gemm and not work.tensor_core
+    assert work.flops == 2 * M * N * K + M * N  # the product's FMAs, then the bias add (relu is a select)
+    # per tile 8 warps x 128 steps: x[m, k] one sector for the warp (every lane the same m), w[n, k] 32 (lanes
+    # 512 bytes apart); then the epilogue: bias b[n] and the output, 32 consecutive floats, 4 sectors each
+    assert work.accesses == (MemoryAccess("x_in", "load", "global", 8 * K, 1),
+                             MemoryAccess("w_in", "load", "global", 8 * K, 32),
+                             MemoryAccess("b_in", "load", "global", 8, 4),
+                             MemoryAccess("compute", "store", "global", 8, 4))
+    # a register accumulator: 8 unrolled steps' loads in flight, 128 / 8 round trips, one more for the bias
+    assert work.memory_steps == K // 8 + 1
+    # the middle tile (256: row m = 256, n = 0..255) touches x's row, all of w, all of b, once each
+    assert work.l2_read_bytes == K * 4 + N * K * 4 + N * 4
+    assert work.dram_bytes == (M * K + N * K + N) * 4 + M * N * 4
+
+
+def test_dense_estimate_by_hand(dense_works):
+    (work,) = dense_works[4]
+    estimate = estimate_stage(work, H100)
+    clock = 1.98e9
+    tiles_on_sm = math.ceil(512 / 132)  # 4, one wave: every tile its own block
+    requested = (8 * K * 1 + 8 * K * 32 + 8 * 4) * 32 * 512
+    missed = work.l2_read_bytes * 512 / requested
+    latency_cycles = L1_HIT_CYCLES + missed * (L2_HIT_CYCLES - L1_HIT_CYCLES) + \
+        (work.dram_bytes / requested) * (DRAM_CYCLES - L2_HIT_CYCLES)
+    l1_clocks = 8 * K * 1 + 8 * K * (32 / 4) + 8 * 1 + 8 * 1  # an uncoalesced w load takes 8 clocks
+    expected = {
+        "latency": (K // 8 + 1) * latency_cycles / clock,
+        "fp": tiles_on_sm * (work.flops / 512) / (67e12 / 132),  # 4 blocks x 256 threads fill the 128 lanes
+        "l1": tiles_on_sm * l1_clocks / clock,
+        "l2": 512 * (work.l2_read_bytes + 8 * 4 * 32) / (5120 * clock),
+        "dram": work.dram_bytes / 3.35e12,
+    }
+    assert estimate.times == pytest.approx(expected)
+    assert estimate.bound == "l1" and estimate.seconds == pytest.approx(18.65e-6, rel=1e-3)
+    assert estimate.fraction_of_peak == pytest.approx(work.flops / (estimate.seconds * 67e12))
+
+
+def test_a_thread_reduce_gemm_is_far_below_the_goal(dense_works):
+    (work,) = dense_works[4]
+    assert estimate_stage(work, H100).fraction_of_peak < 0.4
+
+
+def test_a_global_accumulator_stores_every_step(dense_works):
+    matmul, _ = dense_works[2]
+    assert MemoryAccess("T_matmul_NT", "store", "global", 8 * K, 4) in matmul.accesses
+    assert matmul.memory_steps == K  # each step's loads wait for the last step's store
+    fused = estimate_stage(dense_works[4][0], H100)
+    assert estimate_stage(matmul, H100).times["l2"] > 1.9 * fused.times["l2"]
+
+
+def _work(**changes) -> StageWork:
+    """An elementwise stage of one wave on the H100 model: 264 tiles of 256 threads on a grid of
+    264 blocks (2 per SM)."""
+    base = StageWork(name="add", template="elementwise", dtype="float32", executions=1, n_tiles=264, threads=256,
+                     active_threads=256, grid=264, blocks_per_sm=2, flops=264 * 256, tensor_core=False, gemm=False,
+                     memory_steps=1, on_chip_steps=0, block_barriers=0,
+                     accesses=(MemoryAccess("x", "load", "global", 8, 4), MemoryAccess("y", "store", "global", 8, 4)),
+                     l2_read_bytes=1024, dram_bytes=264 * 2048)
+    return dataclasses.replace(base, **changes)
+
+
+def test_tiles_beyond_one_wave_take_longer():
+    one = estimate_stage(_work(), H100)
+    two = estimate_stage(_work(n_tiles=528, dram_bytes=528 * 2048), H100)
+    assert _work(n_tiles=528).waves == 2 and two.seconds > one.seconds
+    assert two.times["latency"] == pytest.approx(2 * one.times["latency"])
+
+
+def test_idle_lanes_slow_the_arithmetic():
+    busy = estimate_stage(_work(flops=10**9), H100)
+    idle = estimate_stage(_work(flops=10**9, active_threads=32), H100)
+    assert idle.times["fp"] == pytest.approx(2 * busy.times["fp"])  # 2 blocks x 32 threads fill half of 128 lanes
+
+
+def test_barriers_and_launches_add_their_cost():
+    works = [_work()]
+    plain = estimate_program("m", works, 0, 1, 0, H100)
+    synced = estimate_program("m", works, 3, 2, 0, H100)
+    assert synced.seconds - plain.seconds == pytest.approx(3 * GRID_SYNC_SECONDS + H100.launch_seconds)
+
+
+def test_roofline_bound_is_flops_at_peak_or_compulsory_bytes():
+    estimate = estimate_program("m", [_work(flops=67 * 10**9)], 0, 1, 3350, H100)
+    assert estimate.roofline_seconds == pytest.approx(1e-3)  # 67 GFLOP at 67 TFLOP/s; 3350 B take 1 ns
+    assert estimate.seconds > estimate.roofline_seconds
+
+
+def test_the_model_is_for_gpus():
+    with pytest.raises(ValueError, match="the latency model is for GPUs"):
+        estimate_stage(_work(), get_device("cpu"))
+
+
+def test_a_scan_body_counts_once_per_trip():
+    from souffle import models
+
+    staged = run_passes(models.build("lstm", "tiny"), "cuda", stop="plan_arena", device="h100").ir
+    estimate = latency_estimate(staged, H100)
+    loop = next(s for s in estimate.stages if s.work.executions > 1)
+    assert loop.total_seconds == pytest.approx(loop.seconds * loop.work.executions)
+    assert estimate.grid_barriers == staged.barrier_count(executed=True)
+    assert estimate.seconds == pytest.approx(sum(s.total_seconds for s in estimate.stages)
+                                             + estimate.grid_barriers * GRID_SYNC_SECONDS + H100.launch_seconds)
+
+
+@pytest.mark.parametrize("level", [0, 4])
+def test_stages_belong_to_the_kernels_codegen_launches(level):
+    from codegen.latency import _kernel_runs
+    from souffle import models
+
+    plan = run_passes(models.build("lstm", "tiny"), "cuda", stop="kernel_plan", device="h100", opt_level=level).ir
+    runs = _kernel_runs(plan.staged.items)
+    kernels = max(kernel for _, kernel, _ in runs) + 1
+    widest = [max(item.schedule.n_tiles for item, k, _ in runs if k == kernel and hasattr(item, "schedule"))
+              for kernel in range(kernels)]
+    assert widest == [launch.max_tiles for launch in plan.kernel_launches()]  # O0: host loops launch kernels
