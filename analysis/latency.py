@@ -23,8 +23,8 @@ tiles. One execution of the stage takes the largest of five times:
   the L1/shared memory's 128 bytes per clock: an uncoalesced access (32 lanes, 32 sectors) takes
   8 clocks where a coalesced one takes 1;
 - L2: every tile's global loads at sector granularity, each sector once per tile (L1 keeps a
-  tile's reuse), plus every global store (L1 writes through to L2: an accumulator kept in
-  global memory is stored at every reduction step), at ``DeviceModel.l2_bandwidth``;
+  tile's reuse), plus every global store (L1 writes through to L2), at
+  ``DeviceModel.l2_bandwidth``;
 - DRAM: the stage's distinct bytes (``codegen.traffic``, an upper bound: L2 may hold some), at
   most what its loads request (a gather's read relation spans the whole table it indexes).
 

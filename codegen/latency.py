@@ -5,13 +5,12 @@ Per stage, from its template, tiles and epilogue:
 
 - who works: an elementwise or thread_reduce tile gives one output to each of its threads, a
   warp_reduce tile one output to each warp, its 32 lanes splitting the reduction;
-- where the reduction accumulates: a thread_reduce stage without an epilogue accumulates in its
-  output, in global memory, and stores it at every reduction step (the PTX nvcc 13 emits for
-  one keeps the store in the loop: the arena's views alias, ``ARCHITECTURE.md``); with an
-  epilogue, or in a warp_reduce stage, the accumulator is a register;
+- where the reduction accumulates: in a register, in every template (a thread_reduce stage
+  without a fused epilogue gets a copy as its register epilogue, ``codegen.schedule``); the
+  result is stored once;
 - the dependent chain of one thread through a tile: a step of a register-accumulated reduction
   has no store, so nvcc unrolls its loop and issues several steps' loads at once
-  (``UNROLLED_STEPS``); a global accumulator's store orders each step's loads after the last;
+  (``UNROLLED_STEPS``);
 - every memory instruction a warp runs, with the 32-byte sectors its 32 lanes touch, from the
   TE's index expressions evaluated at a representative warp (the middle tile's first warp, the
   middle of the reduction): consecutive threads on consecutive outputs, or for warp_reduce
@@ -218,8 +217,7 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, tr
             lanes = _thread_lanes(reduction, tile * threads)
             results = -(-active // WARP)
             instructions = results * terms
-            in_register = stage.epilogue is not None
-            steps = -(-terms // UNROLLED_STEPS) if in_register else terms
+            steps = -(-terms // UNROLLED_STEPS)
             result_sectors = _store_sectors(reduction, lanes)
             on_chip_steps = 0
         else:  # warp_reduce: one output per warp, its lanes along the reduction, then shuffles
@@ -228,7 +226,6 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, tr
             lanes = _reduction_lanes(reduction, min(tile * warps, outputs - 1), terms)
             per_lane = -(-terms // WARP)
             instructions = results * per_lane
-            in_register = True
             steps = -(-per_lane // UNROLLED_STEPS)
             result_sectors = 1
             on_chip_steps = SHUFFLE_ROUNDS
@@ -238,9 +235,7 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, tr
         else:
             memory_steps = steps
         barriers = 0
-        if not in_register:  # the accumulator is the output: stored at every reduction step
-            accesses.append(MemoryAccess(reduction.op.name, "store", "global", instructions, result_sectors))
-        elif stage.epilogue is None:
+        if stage.epilogue is None:
             accesses.append(MemoryAccess(reduction.op.name, "store", "global", results, result_sectors))
         else:
             epilogue = [load for load in _loads(stage.tensor) if not load.tensor.op.same_as(reduction.op)]

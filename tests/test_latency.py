@@ -1,6 +1,6 @@
 """The static latency model (analysis.latency) and the facts it reads off a staged program
 (codegen.latency): a dense layer's stage worked out by hand on the H100 model, and the model's
-response to tiles, barriers, launches and the accumulator's place."""
+response to tiles, barriers and launches; a reduction stores its register once."""
 
 import dataclasses
 import math
@@ -27,8 +27,8 @@ M, N, K = 512, 256, 128  # x [M, K] times w [N, K]^T: 131072 outputs, one per th
 
 
 def _dense():
-    """relu(x @ w.T + b): at O4 one thread_reduce stage with a register epilogue; at O2 the
-    matmul accumulating in its output, then an elementwise stage."""
+    """relu(x @ w.T + b): at O4 one thread_reduce stage with relu as its register epilogue; at O2
+    the matmul, then an elementwise stage."""
     b = GraphBuilder("dense")
     x = b.input("x", (M, K))
     w = b.param("w", np.ones((N, K), np.float32))
@@ -95,12 +95,13 @@ def test_a_thread_reduce_gemm_is_far_below_the_goal(dense_works):
     assert estimate_stage(work, H100).fraction_of_peak < 0.4
 
 
-def test_a_global_accumulator_stores_every_step(dense_works):
+def test_a_reduction_without_an_epilogue_stores_its_register_once(dense_works):
+    """At O2 the matmul has no fused epilogue; it still sums in a register (``codegen.schedule``)
+    and stores each result once, not at every reduction step."""
     matmul, _ = dense_works[2]
-    assert MemoryAccess("T_matmul_NT", "store", "global", 8 * K, 4) in matmul.accesses
-    assert matmul.memory_steps == K  # each step's loads wait for the last step's store
-    fused = estimate_stage(dense_works[4][0], H100)
-    assert estimate_stage(matmul, H100).times["l2"] > 1.9 * fused.times["l2"]
+    assert MemoryAccess("T_matmul_NT", "store", "global", 8, 4) in matmul.accesses
+    assert not any(a.kind == "store" and a.per_tile == 8 * K for a in matmul.accesses)
+    assert matmul.memory_steps == K // 8  # 8 unrolled steps' loads in flight
 
 
 def _work(**changes) -> StageWork:
