@@ -21,6 +21,7 @@ from souffle.errors import GraphError, ModelImportError, UnsupportedOpError
 from souffle.graph import Graph, GraphBuilder
 from souffle.importers import onnx_rules
 from souffle.importers.prune import without_dead_ops
+from souffle.importers.repeats import fold_repeated_blocks
 from souffle.naming import UniqueNames
 from souffle.ops.logical import MASK_DTYPE
 from souffle.tensor import SUPPORTED_DTYPES
@@ -123,7 +124,7 @@ class _Importer:
                 name = self.builder.op("copy", name, name=self._names(f"{value.name}.out"))
             outputs.append(name)
         try:
-            return without_dead_ops(self.builder.build(*outputs))
+            return fold_repeated_blocks(without_dead_ops(self.builder.build(*outputs)))
         except GraphError as err:
             raise ModelImportError(f"the imported graph is not valid: {err}") from None
 
