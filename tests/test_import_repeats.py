@@ -71,12 +71,19 @@ def test_a_run_starts_where_the_repeated_blocks_do():
     assert folded.ops[-1].inputs == (scan.outputs[0],)
 
 
-def test_blocks_without_weights_are_not_folded():
-    """Two identical parameter-free stretches (relu, scale) are no layer to loop over."""
+def test_blocks_without_weights_or_of_one_op_are_not_folded():
+    """Identical parameter-free stretches (relu, scale) and a single op repeated (a sum of
+    embeddings, each added to the one before) are no layers to loop over."""
     b = GraphBuilder("no_weights")
     x = b.input("x", (2, 3))
     for _ in range(3):
         x = b.op("scale", b.op("relu", x), factor=0.5)
+    graph = b.build(x)
+    assert fold_repeated_blocks(graph) is graph
+    b = GraphBuilder("sum_of_embeddings")
+    x = b.input("x", (2, 3))
+    for i in range(3):
+        x = b.op("add", x, b.param(f"table.{i}", np.ones((2, 3), "float32")))
     graph = b.build(x)
     assert fold_repeated_blocks(graph) is graph
 

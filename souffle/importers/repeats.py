@@ -14,8 +14,10 @@ attention mask), weights and constants, and of whose tensors only its carry is r
 Blocks are the same computation when, op by op, kinds, attributes, shapes and dtypes agree,
 each input is the same role (an earlier op of the block, the carry, a weight of the same shape
 at the same place in first-use order, an equal constant, the same invariant), and the carry
-comes from the same op. A run needs at least two blocks, and a block must read a weight: a
-repeat without weights is an accident of the op list (two transposes), not a layer. A block
+comes from the same op. A run needs at least two blocks, and a block at least two ops, one of
+them reading a weight: a repeat without weights (two transposes) or of a single op (BERT's
+embeddings, each added to the sum of the one before) is an accident of the op list, not a
+layer, and looping it would only keep it from being fused with its neighbours. A block
 holding a scan (an imported LSTM layer) is left alone: the LSTM wavefront reads layers chained
 as the importers write them.
 """
@@ -109,7 +111,7 @@ class _Chain:
         if self.local[start] is None:
             return None
         best = None
-        for period in range(1, (len(self.ops) - start) // 2 + 1):
+        for period in range(2, (len(self.ops) - start) // 2 + 1):  # a block has two ops or more
             if self.local[start + period] != self.local[start] or not self._closes(start, period, start + period):
                 continue
             run = self._run(start, period)
@@ -145,7 +147,7 @@ class _Chain:
         if carry_in is None:
             return None
         first = self.signature(start, period, carry_in)
-        if not any(token[0] == "param" for _, _, inputs in first[0] for token in inputs):
+        if not any(role[0] == "param" for _, _, roles in first[0] for role in roles):
             return None
         length = 1
         while length < len(carries) and self.signature(start + length * period, period, carries[length - 1]) == first:
