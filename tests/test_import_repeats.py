@@ -20,7 +20,8 @@ def _conv_relu_chain(strides=(1, 1, 1), channels=(4, 4, 4), invariant=False):
     bias = b.input("bias", (1, 4, 1, 1)) if invariant else None
     in_channels = 4
     for i, (stride, out_channels) in enumerate(zip(strides, channels)):
-        weight = b.param(f"blocks.{i}.weight", rng.standard_normal((out_channels, in_channels, 3, 3)).astype("float32") / 6)
+        shape = (out_channels, in_channels, 3, 3)
+        weight = b.param(f"blocks.{i}.weight", rng.standard_normal(shape).astype("float32") / 6)
         x = b.op("relu", b.op("conv2d", x, weight, stride=stride, padding=1))
         if invariant:
             x = b.op("add", x, bias)
