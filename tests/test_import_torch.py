@@ -299,3 +299,26 @@ def test_lookups_by_constant_rows_are_slices_and_adding_zeros_is_no_op():
     compiled = check(Embeddings(), (ids,))
     kinds = [op.kind for op in compiled.graph.ops]
     assert kinds.count("embedding") == 1 and kinds.count("add") == 2 and "expand" in kinds, kinds
+
+
+class WeightedSum(nn.Module):
+    """A mixture's weighted sum over its stacked parts, as MMoE sums its experts."""
+
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = nn.ModuleList(nn.Linear(6, 4) for _ in range(parts))
+        self.gate = nn.Linear(6, parts)
+
+    def forward(self, x):
+        stacked = torch.stack([torch.relu(part(x)) for part in self.parts], dim=1)
+        return (torch.softmax(self.gate(x), dim=1).unsqueeze(2) * stacked).sum(dim=1)
+
+
+@pytest.mark.parametrize("parts", [3, 17])
+def test_a_sum_over_a_short_axis_is_the_adds_of_its_slices(parts):
+    """Over 3 parts the sum is element-wise adds (the weighted product then inlines into them);
+    over 17, more than ``sums.SHORT_AXIS``, it stays a reduction."""
+    torch.manual_seed(0)
+    compiled = check(WeightedSum(parts), (torch.randn(2, 6),), target="llvm-persistent")
+    kinds = [op.kind for op in compiled.graph.ops]
+    assert ("sum" in kinds) == (parts == 17) and kinds.count("add") == (0 if parts == 17 else parts - 1), kinds

@@ -14,6 +14,7 @@ import operator
 
 from souffle.importers import recurrent
 from souffle.importers.rows import constant_rows
+from souffle.importers.sums import is_short_sum, sum_of_slices
 from souffle.ops.logical import MASK_DTYPE
 
 getitem = operator.getitem
@@ -330,7 +331,11 @@ def _mean(ctx, x, dims, keepdim=False, dtype=None):
 
 @rule("sum.dim_IntList")
 def _sum(ctx, x, dims, keepdim=False, dtype=None):
-    return ctx.op("sum", _promoted(ctx, x), axes=list(dims) if dims else None, keepdims=bool(keepdim))
+    """A reduction; over one short axis the adds of its slices (``sums.sum_of_slices``)."""
+    x, axes = _promoted(ctx, x), list(dims) if dims else None
+    if is_short_sum(ctx, x, axes):
+        return sum_of_slices(ctx, x, axes[0], bool(keepdim))
+    return ctx.op("sum", x, axes=axes, keepdims=bool(keepdim))
 
 
 @rule("max_pool2d_with_indices.default")

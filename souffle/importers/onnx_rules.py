@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from souffle.importers import recurrent
+from souffle.importers.sums import is_short_sum, sum_of_slices
 
 RULES: dict[str, object] = {}
 
@@ -337,7 +338,10 @@ def _reduce(ctx, inputs, attrs):
     if not axes and attrs.get("noop_with_empty_axes", 0):
         return inputs[0]
     kind = "mean" if ctx.node.op_type == "ReduceMean" else "sum"
-    return ctx.op(kind, inputs[0], axes=axes or None, keepdims=bool(attrs.get("keepdims", 1)))
+    keepdims = bool(attrs.get("keepdims", 1))
+    if kind == "sum" and is_short_sum(ctx, inputs[0], axes or None):
+        return sum_of_slices(ctx, inputs[0], axes[0], keepdims)  # element-wise, as ``sums`` says why
+    return ctx.op(kind, inputs[0], axes=axes or None, keepdims=keepdims)
 
 
 # -- recurrence ----------------------------------------------------------------------------------
