@@ -136,3 +136,32 @@ def test_reflect_padding_is_refused():
 
     with pytest.raises(UnsupportedOpError, match=r"ONNX Pad .*only constant padding"):
         souffle.from_onnx(_exported(Reflect(), (torch.randn(1, 2, 4),), 17))
+
+
+class PositionsAndProjections(torch.nn.Module):
+    """A transformer's first steps: position embeddings gathered by a constant buffer, and two
+    torch.nn.Linear on the 3-D activation (exported as MatMul by the transposed weight, then Add)."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.positions = torch.nn.Embedding(10, 8)
+        self.register_buffer("position_ids", torch.arange(10).unsqueeze(0), persistent=False)
+
+    def forward(self, x):
+        x = x + self.positions(self.position_ids[:, :x.shape[1]])
+        return self.query(x) * self.key(x)
+
+
+def test_linear_on_3d_inputs_is_one_dense_with_its_bias_and_constant_rows_a_slice():
+    """As from_torch imports them: a dense per Linear (horizontal fusion then merges the two),
+    and the position rows a slice of the table (a gather would be read as the whole table)."""
+    torch.manual_seed(0)
+    module, inputs = PositionsAndProjections(), (torch.randn(1, 6, 8),)
+    graph = souffle.from_onnx(_exported(module, inputs, 17))
+    dense = [op for op in graph.ops if op.kind == "dense"]
+    assert len(dense) == 2 and all(len(op.inputs) == 3 for op in dense), str(graph)
+    assert {"matmul", "embedding", "take"}.isdisjoint(op.kind for op in graph.ops)
+    assert "positions.weight" in graph.params  # the table, sliced, not a copy of its rows
+    compiled = _check(graph, module, inputs, "llvm-persistent", 4)
+    assert any(line.startswith("horizontal:") for line in compiled.transforms), compiled.transforms

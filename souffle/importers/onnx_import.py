@@ -91,6 +91,8 @@ class _Importer:
         self._sources: set[str] = set()
         self._reshaped_from: dict[str, Tensor] = {}
         self._bools: set[str] = set()  # int32 masks that stand for ONNX bool tensors
+        # dense ops a MatMul made without a bias, by output: (input, weight), for a bias added next
+        self.unbiased_products: dict[str, tuple] = {}
 
     def run(self) -> Graph:
         from onnx import helper, numpy_helper

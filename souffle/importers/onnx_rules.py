@@ -13,12 +13,14 @@ import math
 import numpy as np
 
 from souffle.importers import recurrent
+from souffle.importers.rows import constant_rows
 from souffle.importers.sums import is_short_sum, sum_of_slices
 
 RULES: dict[str, object] = {}
 
-# Op types computed by their rule even on constant inputs (their rules make the right op).
-NOT_FOLDED: frozenset[str] = frozenset()
+# Op types computed by their rule even on constant inputs (their rules make the right op): a
+# gather of a weight table's rows by constant indices stays a slice of the weight, not a copy.
+NOT_FOLDED: frozenset[str] = frozenset({"Gather"})
 
 
 def rule(*op_types: str):
@@ -71,6 +73,11 @@ def _binary(ctx, inputs, attrs):
     if kind in ("mul", "div") and factor is not None and ctx.dtype(a).startswith("float") and \
             len(ctx.shape(b)) <= len(ctx.shape(a)) and factor != 0:
         return ctx.op("scale", a, factor=float(factor if kind == "mul" else 1.0 / factor))
+    if kind == "add":
+        for product, bias in ((a, b), (b, a)):
+            if not ctx.is_constant(product) and product.name in ctx.unbiased_products and ctx.is_constant(bias) \
+                    and ctx.shape(bias) == ctx.shape(product)[-1:]:
+                return ctx.op("dense", *ctx.unbiased_products[product.name], bias)
     return ctx.op(kind, a, b)
 
 
@@ -225,9 +232,19 @@ def _split(ctx, inputs, attrs):
 
 @rule("Gather")
 def _gather(ctx, inputs, attrs):
+    """A gather; by constant indices a slice, or one row broadcast, where they allow it (a weight
+    table's rows: Hugging Face BERT's positions and token types), else computed at import when
+    the data is constant too."""
     data, indices = inputs
     axis = attrs.get("axis", 0) % len(ctx.shape(data))
     if ctx.is_constant(indices):
+        if axis == 0 and len(ctx.shape(data)) >= 2 and ctx.dtype(data).startswith("float"):
+            out_shape = tuple(indices.value.shape) + ctx.shape(data)[1:]
+            rows = constant_rows(ctx, data, indices.value, out_shape)
+            if rows is not None:
+                return rows
+        if ctx.is_constant(data):
+            return ctx.constant(np.take(data.value, indices.value, axis=axis), ctx.node.output[0])
         picks = _constant(ctx, indices, "indices").reshape(-1) % ctx.shape(data)[axis]
         start = int(picks[0])
         if np.array_equal(picks, np.arange(start, start + picks.size)):
@@ -245,6 +262,14 @@ def _matmul(ctx, inputs, attrs):
     a, b = inputs
     if len(ctx.shape(a)) < 2 or len(ctx.shape(b)) < 2:
         ctx.fail("1-D MatMul operands are not supported")
+    if ctx.is_constant(b) and len(ctx.shape(b)) == 2 and ctx.dtype(b).startswith("float"):
+        # torch.nn.Linear on more than two dimensions, as exported: a dense on the weight (its
+        # transpose, (out_features, in_features) again), which horizontal fusion merges with the
+        # dense ops reading the same input; a bias added next joins it (``_binary``)
+        operands = (a, ctx.constant(np.ascontiguousarray(b.value.T), f"{b.name}.T"))
+        product = ctx.op("dense", *operands)
+        ctx.unbiased_products[product.name] = operands
+        return product
     return ctx.op("matmul", a, b)
 
 
