@@ -68,7 +68,8 @@ class _Run:
 
 class _Chain:
     """The graph's ops without its constants (ops that read nothing), and at each boundary
-    between two of them, the tensors still to be read from before it."""
+    between two of them which tensor made before it is still to be read and was made last, and
+    where the one made last but one was made."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -218,7 +219,7 @@ def _rebuilt(graph: Graph, chain: _Chain, runs: list[_Run]) -> Graph:
             ops.append(scans[i])
         elif i not in folded:
             ops.append(op)
-    rebuilt = Graph(graph.name, graph.inputs, graph.params.values(), ops, graph.outputs, graph.weights, graph.recipes)
+    rebuilt = Graph(graph.name, graph.inputs, graph.params.values(), ops, graph.outputs, graph.weights)
     return without_dead_ops(rebuilt)  # the constants only the folded blocks read now live in the bodies
 
 
