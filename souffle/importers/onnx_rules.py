@@ -19,8 +19,9 @@ from souffle.importers.sums import is_short_sum, sum_of_slices
 RULES: dict[str, object] = {}
 
 # Op types computed by their rule even on constant inputs (their rules make the right op): a
-# gather of a weight table's rows by constant indices stays a slice of the weight, not a copy.
-NOT_FOLDED: frozenset[str] = frozenset({"Gather"})
+# gather of a weight table's rows by constant indices stays a slice of the weight, not a copy;
+# GatherElements is computed by numpy, which onnx's reference evaluator cannot always do.
+NOT_FOLDED: frozenset[str] = frozenset({"Gather", "GatherElements"})
 
 
 def rule(*op_types: str):
@@ -254,6 +255,17 @@ def _gather(ctx, inputs, attrs):
     elif axis == 0 and len(ctx.shape(data)) == 2 and ctx.dtype(data).startswith("float"):
         return ctx.op("embedding", data, indices)
     return ctx.op("take", data, indices, axis=axis)
+
+
+@rule("GatherElements")
+def _gather_elements(ctx, inputs, attrs):
+    """Of constants only (Hugging Face BERT gathers its token type buffer by its position ids),
+    computed at import time with numpy: onnx's reference evaluator picks along the axis with
+    np.choose, which takes at most 64 choices (the buffer has 512 positions at the paper's size)."""
+    data, indices = (_constant(ctx, value, what) for value, what in zip(inputs, ("the data", "the indices")))
+    axis = attrs.get("axis", 0) % data.ndim
+    picks = np.where(indices < 0, indices + data.shape[axis], indices)
+    return ctx.constant(np.take_along_axis(data, picks, axis=axis), ctx.node.output[0])
 
 
 # -- linear algebra and convolution --------------------------------------------------------------
