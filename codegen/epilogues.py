@@ -49,11 +49,8 @@ def epilogue_mode(producer: te.Tensor, consumer: te.Tensor, threads: int) -> str
     if not isl.Set(f"{{ {relation.get_tuple_name(isl.dim_type.in_)}[{names}] : {bounds} }}").is_subset(relation.domain()):
         return None  # elements that read no result (padding) would belong to no tile
     shape = [int(d) for d in producer.shape]
-    if [int(d) for d in consumer.shape] == shape:
-        names = ", ".join(f"a{k}" for k in range(len(shape)))
-        source, target = relation.get_tuple_name(isl.dim_type.in_), relation.get_tuple_name(isl.dim_type.out)
-        if relation.is_subset(isl.Map(f"{{ {source}[{names}] -> {target}[{names}] }}")):
-            return "register"
+    if _reads_own_index(relation, [int(d) for d in consumer.shape], shape):
+        return "register"
     outputs = int(np.prod(shape))
     analyzer = tvm.sym.Analyzer()
     reduction = int(np.prod([int(analyzer.simplify(ax.dom.extent)) for ax in producer.op.reduce_axis]))
@@ -67,6 +64,19 @@ def epilogue_mode(producer: te.Tensor, consumer: te.Tensor, threads: int) -> str
     writes = tiles_of(relation.get_tuple_name(isl.dim_type.out), producer.shape, per_tile, "W")
     cross = reads.reverse().apply_range(relation).apply_range(writes)
     return "shared" if cross.is_subset(isl.Map("{ R[t] -> W[t] }")) else None
+
+
+def _reads_own_index(relation: isl.Map, consumer_shape: list[int], producer_shape: list[int]) -> bool:
+    """Whether the consumer reads each result at its own index: the same index where the shapes
+    are equal, or the same once their axes of extent 1 are dropped (a batched matrix product
+    of shape (heads, S, S) read as (1, heads, S, S), as an exported model reshapes it)."""
+    if [d for d in consumer_shape if d != 1] != [d for d in producer_shape if d != 1]:
+        return False
+    names = [f"a{k}" for k in range(len(consumer_shape))]
+    wide = iter(name for name, d in zip(names, consumer_shape) if d != 1)
+    index = [next(wide) if d != 1 else "0" for d in producer_shape]
+    source, target = relation.get_tuple_name(isl.dim_type.in_), relation.get_tuple_name(isl.dim_type.out)
+    return relation.is_subset(isl.Map(f"{{ {source}[{', '.join(names)}] -> {target}[{', '.join(index)}] }}"))
 
 
 def fuse_epilogues(program: TEProgram, gpu: bool, threads: int) -> TEProgram:

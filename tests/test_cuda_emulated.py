@@ -18,6 +18,7 @@ import souffle
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.errors import TargetError
+from souffle.graph import GraphBuilder
 from souffle.runtime.emulated import ORDERS, EmulatedDevice, EmulationError
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
@@ -285,3 +286,25 @@ def test_warps_past_the_last_result_write_nothing_back():
     for order in ("ascending", "descending"):
         (y,) = model.schedule(order).run(inputs)
         np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_batched_product_read_with_a_leading_unit_axis_runs_its_epilogue_in_registers():
+    """An exported attention scales (1, heads, S, S) scores that its batched product computed as
+    (heads, S, S) (Hugging Face's BERT through torch.export or ONNX): the scale reads each result
+    at its own index once the unit axis is dropped, so it runs in the thread holding the result,
+    as the hand-built BERT's does, instead of as a stage of its own."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("scores")
+    q, k = b.input("q", (2, 8, 16)), b.input("k", (2, 8, 16))
+    scores = b.op("reshape", b.op("batch_matmul", q, k, transpose_b=True), shape=(1, 2, 8, 8))
+    graph = b.build(b.op("softmax", b.op("scale", scores, factor=0.25), axis=-1))
+    staged = run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir
+    assert any(stage.name.endswith("+scale_3") and stage.epilogue == "register" for stage in staged.stages()), \
+        staged.table()
+    inputs = {name: rng.standard_normal((2, 8, 16)).astype("float32") for name in ("q", "k")}
+    logits = 0.25 * np.einsum("hik,hjk->hij", inputs["q"], inputs["k"])[None]
+    expected = np.exp(logits - logits.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
+    for order in ("ascending", "descending"):
+        np.testing.assert_allclose(model.schedule(order, None, seed=5).run(inputs)[0], expected, rtol=1e-5, atol=1e-6)

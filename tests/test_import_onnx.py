@@ -136,3 +136,59 @@ def test_reflect_padding_is_refused():
 
     with pytest.raises(UnsupportedOpError, match=r"ONNX Pad .*only constant padding"):
         souffle.from_onnx(_exported(Reflect(), (torch.randn(1, 2, 4),), 17))
+
+
+class PositionsAndProjections(torch.nn.Module):
+    """A transformer's first steps: position embeddings gathered by a constant buffer, and two
+    torch.nn.Linear on the 3-D activation (exported as MatMul by the transposed weight, then Add)."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.positions = torch.nn.Embedding(10, 8)
+        self.register_buffer("position_ids", torch.arange(10).unsqueeze(0), persistent=False)
+
+    def forward(self, x):
+        x = x + self.positions(self.position_ids[:, :x.shape[1]])
+        return self.query(x) * self.key(x)
+
+
+def test_linear_on_3d_inputs_is_one_dense_with_its_bias_and_constant_rows_a_slice():
+    """As from_torch imports them: a dense per Linear (horizontal fusion then merges the two),
+    and the position rows a slice of the table (a gather would be read as the whole table)."""
+    torch.manual_seed(0)
+    module, inputs = PositionsAndProjections(), (torch.randn(1, 6, 8),)
+    graph = souffle.from_onnx(_exported(module, inputs, 17))
+    dense = [op for op in graph.ops if op.kind == "dense"]
+    assert len(dense) == 2 and all(len(op.inputs) == 3 for op in dense), str(graph)
+    assert {"matmul", "embedding", "take"}.isdisjoint(op.kind for op in graph.ops)
+    assert "positions.weight" in graph.params  # the table, sliced, not a copy of its rows
+    compiled = _check(graph, module, inputs, "llvm-persistent", 4)
+    assert any(line.startswith("horizontal:") for line in compiled.transforms), compiled.transforms
+
+
+def test_gather_elements_of_constants_along_a_long_axis_is_computed_at_import():
+    """Hugging Face BERT gathers its 512 token types by its position ids: onnx's reference
+    evaluator (np.choose) takes at most 64 choices along the axis."""
+    table = np.arange(100, dtype=np.float32).reshape(1, 100) / 10
+    picks = np.arange(70, dtype=np.int64)[::-1].reshape(1, 70).copy()
+    picks[0, 0] = -1  # counts from the end
+    nodes = [helper.make_node("GatherElements", ["table", "picks"], ["gathered"], axis=1),
+             helper.make_node("Add", ["x", "gathered"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 70])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 70])],
+                              [onnx.numpy_helper.from_array(table, "table"), onnx.numpy_helper.from_array(picks, "picks")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.random.default_rng(0).standard_normal((1, 70)).astype(np.float32)
+    got = souffle.compile(souffle.from_onnx(model)).run({"x": x})[0]
+    np.testing.assert_allclose(got, x + np.take_along_axis(table, picks % 100, axis=1), rtol=1e-6)
+
+
+def test_gather_elements_of_a_run_time_tensor_is_refused():
+    nodes = [helper.make_node("GatherElements", ["x", "picks"], ["y"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+                              [onnx.numpy_helper.from_array(np.array([2, 0], np.int64), "picks")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(UnsupportedOpError, match="GatherElements .*the data must be known at import time"):
+        souffle.from_onnx(model)

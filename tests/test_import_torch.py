@@ -271,3 +271,54 @@ def test_negative_padding_is_refused():
 
     with pytest.raises(UnsupportedOpError, match=r"constant_pad_nd.*negative padding"):
         souffle.from_torch(Crop(), (torch.randn(3, 4),))
+
+
+class Embeddings(nn.Module):
+    """Hugging Face BERT's embeddings called without token types or a mask: positions and token
+    types are gathered by constant buffers, and an attention mask of zeros is added."""
+
+    def __init__(self):
+        super().__init__()
+        self.words, self.positions, self.types = nn.Embedding(20, 8), nn.Embedding(10, 8), nn.Embedding(2, 8)
+        self.register_buffer("position_ids", torch.arange(10).unsqueeze(0), persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros(1, 10, dtype=torch.long), persistent=False)
+
+    def forward(self, ids):
+        length = ids.shape[1]
+        x = self.words(ids) + self.types(self.token_type_ids[:, :length])
+        x = x + self.positions(self.position_ids[:, 2:2 + length])
+        return torch.softmax(x + torch.zeros(1, length, 8), -1)
+
+
+def test_lookups_by_constant_rows_are_slices_and_adding_zeros_is_no_op():
+    """Rows picked by consecutive constant indices are a slice, one row picked everywhere that
+    row broadcast: no gather (whose reads the analysis widens to the whole table) but the one by
+    the ids; and the mask of zeros is not added."""
+    torch.manual_seed(0)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    compiled = check(Embeddings(), (ids,))
+    kinds = [op.kind for op in compiled.graph.ops]
+    assert kinds.count("embedding") == 1 and kinds.count("add") == 2 and "expand" in kinds, kinds
+
+
+class WeightedSum(nn.Module):
+    """A mixture's weighted sum over its stacked parts, as MMoE sums its experts."""
+
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = nn.ModuleList(nn.Linear(6, 4) for _ in range(parts))
+        self.gate = nn.Linear(6, parts)
+
+    def forward(self, x):
+        stacked = torch.stack([torch.relu(part(x)) for part in self.parts], dim=1)
+        return (torch.softmax(self.gate(x), dim=1).unsqueeze(2) * stacked).sum(dim=1)
+
+
+@pytest.mark.parametrize("parts", [3, 17])
+def test_a_sum_over_a_short_axis_is_the_adds_of_its_slices(parts):
+    """Over 3 parts the sum is element-wise adds (the weighted product then inlines into them);
+    over 17, more than ``sums.SHORT_AXIS``, it stays a reduction."""
+    torch.manual_seed(0)
+    compiled = check(WeightedSum(parts), (torch.randn(2, 6),), target="llvm-persistent")
+    kinds = [op.kind for op in compiled.graph.ops]
+    assert ("sum" in kinds) == (parts == 17) and kinds.count("add") == (0 if parts == 17 else parts - 1), kinds

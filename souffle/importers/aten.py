@@ -13,6 +13,8 @@ import math
 import operator
 
 from souffle.importers import recurrent
+from souffle.importers.rows import constant_rows
+from souffle.importers.sums import is_short_sum, sum_of_slices
 from souffle.ops.logical import MASK_DTYPE
 
 getitem = operator.getitem
@@ -55,6 +57,13 @@ def _promoted(ctx, value):
     return ctx.op("cast", value, dtype=dtype)
 
 
+def _is_zeros(ctx, value) -> bool:
+    """Whether ``value`` is the number 0 or a constant tensor of zeros."""
+    if _is_number(value):
+        return value == 0
+    return ctx.is_constant(value) and bool((value.value == 0).all())
+
+
 def _scalar_tensor(ctx, number):
     return ctx.op("full", shape=(1,), value=number, dtype=ctx.out_dtype())
 
@@ -76,6 +85,12 @@ def _binary(ctx, kind: str, a, b):
 # -- elementwise ---------------------------------------------------------------------------------
 @rule("add.Tensor", "add.Scalar")
 def _add(ctx, a, b, alpha=1):
+    """a + alpha * b; adding zeros known at import time is no op (Hugging Face's BERT adds an
+    attention mask of zeros when it is given none), unless it broadcasts or promotes."""
+    for zeros, other in ((b, a), (a, b)) if alpha == 1 else ((b, a),):
+        if _is_zeros(ctx, zeros) and not _is_number(other) and not ctx.is_constant(other) and \
+                ctx.shape(other) == ctx.out_shape() and ctx.dtype(other) == ctx.out_dtype():
+            return other
     if alpha != 1:
         b = _binary(ctx, "mul", b, alpha)
     return _binary(ctx, "add", a, b)
@@ -316,7 +331,11 @@ def _mean(ctx, x, dims, keepdim=False, dtype=None):
 
 @rule("sum.dim_IntList")
 def _sum(ctx, x, dims, keepdim=False, dtype=None):
-    return ctx.op("sum", _promoted(ctx, x), axes=list(dims) if dims else None, keepdims=bool(keepdim))
+    """A reduction; over one short axis the adds of its slices (``sums.sum_of_slices``)."""
+    x, axes = _promoted(ctx, x), list(dims) if dims else None
+    if is_short_sum(ctx, x, axes):
+        return sum_of_slices(ctx, x, axes[0], bool(keepdim))
+    return ctx.op("sum", x, axes=axes, keepdims=bool(keepdim))
 
 
 @rule("max_pool2d_with_indices.default")
@@ -349,6 +368,12 @@ def _adaptive_avg_pool2d(ctx, x, output_size):
 
 @rule("embedding.default")
 def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """A lookup; by indices known at import time (Hugging Face's position ids) a slice, or one
+    row broadcast, where they allow it (``rows.constant_rows``)."""
+    if ctx.is_constant(indices):
+        rows = constant_rows(ctx, weight, indices.value.numpy(), ctx.out_shape())
+        if rows is not None:
+            return rows
     return ctx.op("embedding", weight, indices)
 
 

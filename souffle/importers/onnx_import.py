@@ -21,6 +21,7 @@ from souffle.errors import GraphError, ModelImportError, UnsupportedOpError
 from souffle.graph import Graph, GraphBuilder
 from souffle.importers import onnx_rules
 from souffle.importers.prune import without_dead_ops
+from souffle.importers.repeats import fold_repeated_blocks
 from souffle.naming import UniqueNames
 from souffle.ops.logical import MASK_DTYPE
 from souffle.tensor import SUPPORTED_DTYPES
@@ -90,6 +91,8 @@ class _Importer:
         self._sources: set[str] = set()
         self._reshaped_from: dict[str, Tensor] = {}
         self._bools: set[str] = set()  # int32 masks that stand for ONNX bool tensors
+        # dense ops a MatMul made without a bias, by output: (input, weight), for a bias added next
+        self.unbiased_products: dict[str, tuple] = {}
 
     def run(self) -> Graph:
         from onnx import helper, numpy_helper
@@ -123,7 +126,7 @@ class _Importer:
                 name = self.builder.op("copy", name, name=self._names(f"{value.name}.out"))
             outputs.append(name)
         try:
-            return without_dead_ops(self.builder.build(*outputs))
+            return fold_repeated_blocks(without_dead_ops(self.builder.build(*outputs)))
         except GraphError as err:
             raise ModelImportError(f"the imported graph is not valid: {err}") from None
 

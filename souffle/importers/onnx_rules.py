@@ -13,11 +13,15 @@ import math
 import numpy as np
 
 from souffle.importers import recurrent
+from souffle.importers.rows import constant_rows
+from souffle.importers.sums import is_short_sum, sum_of_slices
 
 RULES: dict[str, object] = {}
 
-# Op types computed by their rule even on constant inputs (their rules make the right op).
-NOT_FOLDED: frozenset[str] = frozenset()
+# Op types computed by their rule even on constant inputs (their rules make the right op): a
+# gather of a weight table's rows by constant indices stays a slice of the weight, not a copy;
+# GatherElements is computed by numpy, which onnx's reference evaluator cannot always do.
+NOT_FOLDED: frozenset[str] = frozenset({"Gather", "GatherElements"})
 
 
 def rule(*op_types: str):
@@ -70,6 +74,11 @@ def _binary(ctx, inputs, attrs):
     if kind in ("mul", "div") and factor is not None and ctx.dtype(a).startswith("float") and \
             len(ctx.shape(b)) <= len(ctx.shape(a)) and factor != 0:
         return ctx.op("scale", a, factor=float(factor if kind == "mul" else 1.0 / factor))
+    if kind == "add":
+        for product, bias in ((a, b), (b, a)):
+            if not ctx.is_constant(product) and product.name in ctx.unbiased_products and ctx.is_constant(bias) \
+                    and ctx.shape(bias) == ctx.shape(product)[-1:]:
+                return ctx.op("dense", *ctx.unbiased_products[product.name], bias)
     return ctx.op(kind, a, b)
 
 
@@ -224,9 +233,19 @@ def _split(ctx, inputs, attrs):
 
 @rule("Gather")
 def _gather(ctx, inputs, attrs):
+    """A gather; by constant indices a slice, or one row broadcast, where they allow it (a weight
+    table's rows: Hugging Face BERT's positions and token types), else computed at import when
+    the data is constant too."""
     data, indices = inputs
     axis = attrs.get("axis", 0) % len(ctx.shape(data))
     if ctx.is_constant(indices):
+        if axis == 0 and len(ctx.shape(data)) >= 2 and ctx.dtype(data).startswith("float"):
+            out_shape = tuple(indices.value.shape) + ctx.shape(data)[1:]
+            rows = constant_rows(ctx, data, indices.value, out_shape)
+            if rows is not None:
+                return rows
+        if ctx.is_constant(data):
+            return ctx.constant(np.take(data.value, indices.value, axis=axis), ctx.node.output[0])
         picks = _constant(ctx, indices, "indices").reshape(-1) % ctx.shape(data)[axis]
         start = int(picks[0])
         if np.array_equal(picks, np.arange(start, start + picks.size)):
@@ -238,12 +257,31 @@ def _gather(ctx, inputs, attrs):
     return ctx.op("take", data, indices, axis=axis)
 
 
+@rule("GatherElements")
+def _gather_elements(ctx, inputs, attrs):
+    """Of constants only (Hugging Face BERT gathers its token type buffer by its position ids),
+    computed at import time with numpy: onnx's reference evaluator picks along the axis with
+    np.choose, which takes at most 64 choices (the buffer has 512 positions at the paper's size)."""
+    data, indices = (_constant(ctx, value, what) for value, what in zip(inputs, ("the data", "the indices")))
+    axis = attrs.get("axis", 0) % data.ndim
+    picks = np.where(indices < 0, indices + data.shape[axis], indices)
+    return ctx.constant(np.take_along_axis(data, picks, axis=axis), ctx.node.output[0])
+
+
 # -- linear algebra and convolution --------------------------------------------------------------
 @rule("MatMul")
 def _matmul(ctx, inputs, attrs):
     a, b = inputs
     if len(ctx.shape(a)) < 2 or len(ctx.shape(b)) < 2:
         ctx.fail("1-D MatMul operands are not supported")
+    if ctx.is_constant(b) and len(ctx.shape(b)) == 2 and ctx.dtype(b).startswith("float"):
+        # torch.nn.Linear on more than two dimensions, as exported: a dense on the weight (its
+        # transpose, (out_features, in_features) again), which horizontal fusion merges with the
+        # dense ops reading the same input; a bias added next joins it (``_binary``)
+        operands = (a, ctx.constant(np.ascontiguousarray(b.value.T), f"{b.name}.T"))
+        product = ctx.op("dense", *operands)
+        ctx.unbiased_products[product.name] = operands
+        return product
     return ctx.op("matmul", a, b)
 
 
@@ -337,7 +375,10 @@ def _reduce(ctx, inputs, attrs):
     if not axes and attrs.get("noop_with_empty_axes", 0):
         return inputs[0]
     kind = "mean" if ctx.node.op_type == "ReduceMean" else "sum"
-    return ctx.op(kind, inputs[0], axes=axes or None, keepdims=bool(attrs.get("keepdims", 1)))
+    keepdims = bool(attrs.get("keepdims", 1))
+    if kind == "sum" and is_short_sum(ctx, inputs[0], axes or None):
+        return sum_of_slices(ctx, inputs[0], axes[0], keepdims)  # element-wise, as ``sums`` says why
+    return ctx.op(kind, inputs[0], axes=axes or None, keepdims=keepdims)
 
 
 # -- recurrence ----------------------------------------------------------------------------------

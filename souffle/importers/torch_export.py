@@ -26,6 +26,7 @@ from souffle.errors import GraphError, ModelImportError, SouffleError, Unsupport
 from souffle.graph import Graph, GraphBuilder
 from souffle.importers import aten
 from souffle.importers.prune import without_dead_ops
+from souffle.importers.repeats import fold_repeated_blocks
 from souffle.naming import UniqueNames
 from souffle.ops.logical import MASK_DTYPE
 from souffle.tensor import SUPPORTED_DTYPES
@@ -166,7 +167,7 @@ class _Importer:
                 self.fail(f"{node.op} nodes are not supported")
         self.node = None
         try:
-            return without_dead_ops(self.builder.build(*self._outputs(outputs)))
+            return fold_repeated_blocks(without_dead_ops(self.builder.build(*self._outputs(outputs))))
         except GraphError as err:
             raise ModelImportError(f"the imported graph is not valid: {err}") from None
 

@@ -445,8 +445,12 @@ def _global_avg_pool2d(specs, attrs):
 
 @register_op("global_avg_pool2d", infer=_global_avg_pool2d, n_inputs=1)
 def global_avg_pool2d(inputs):
-    """(N, C, H, W) -> (N, C, 1, 1), as torch.nn.AdaptiveAvgPool2d(1)."""
-    return topi.nn.global_pool(inputs[0], "avg")
+    """(N, C, H, W) -> (N, C, 1, 1), as torch.nn.AdaptiveAvgPool2d(1): the mean over H and W,
+    lowered as ``mean`` is, so a model that pools (a hand-built ResNeXt, ONNX's
+    GlobalAveragePool) and one that takes the mean (torchvision's forward once exported) compile
+    to the same TEs. (topi's global_pool divides by a window size it computes per element, which
+    TVM leaves unsimplified on a 1x1 map, where a division by the constant 1 is dropped.)"""
+    return mean(inputs, (2, 3), True)
 
 
 @export_rule("global_avg_pool2d")
