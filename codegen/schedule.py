@@ -18,7 +18,8 @@ Templates, chosen from the block's iterators (never from an op's name):
   combined by TVM's cross-thread all-reduce, which for one warp is register shuffles only —
   no shared memory and no block-wide synchronization.
 - ``thread_reduce``: enough outputs to give every thread of the grid its own (GEMMs,
-  convolutions): one output per thread, ``THREADS`` per tile, the reduction serial.
+  convolutions): one output per thread, ``THREADS`` per tile, the reduction serial in a
+  register, stored once (``schedule_te``).
 
 A stage may carry an *epilogue*: the one element-wise consumer of its reduction, computed in
 the same tile so the reduction's result never goes to global memory (``epilogue_mode``):
