@@ -121,3 +121,10 @@ def test_a_single_tile_reduction_keeps_one_register(level):
     out = b.op("max_pool2d", b.input("x", (1, 2, 14, 14)), kernel=3, stride=2, padding=1)
     source = run_passes(b.build(out), "cuda", stop="cuda_source", opt_level=level).ir
     assert re.findall(r"float (\w+_local\w*)\[(\d+)\];", source.text) == [("pool_max_local_ptr", "1")]
+
+
+def test_paper_efficientnet_kernel_is_thread_safe():
+    """Simplifying every GPU stage (not only single-tile ones) made paper EfficientNet's O4
+    kernel write its convolutions' last tile from two threads per element; the validator said so."""
+    run = run_passes(models.build("efficientnet", "paper"), "cuda", stop="validate_threads", opt_level=4, validate=True)
+    assert run.records[-1].name == "validate_threads"
