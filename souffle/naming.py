@@ -11,8 +11,11 @@ from collections.abc import Iterable
 
 
 def c_name(name: str) -> str:
-    """``name`` as a C identifier: each character other than a letter, a digit or ``_`` becomes ``_``."""
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    """``name`` as a C identifier: each character other than an ASCII letter, a digit or ``_``
+    becomes ``_``, and one that would start with a digit (a scan body's ``0.norm1.weight``)
+    starts with ``_``."""
+    name = "".join(c if (c.isascii() and c.isalnum()) or c == "_" else "_" for c in name)
+    return f"_{name}" if not name or name[0].isdigit() else name
 
 
 class UniqueNames:

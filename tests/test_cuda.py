@@ -24,6 +24,7 @@ from souffle.compiler import run_passes, staged_program
 from souffle.errors import TargetError
 from souffle.graph import GraphBuilder
 from souffle.lower import lower_graph
+from souffle.naming import c_name
 from souffle.runtime.artifact import KernelArtifact
 from souffle.runtime.cuda import compile_cubin, gpu_available
 
@@ -249,3 +250,18 @@ def test_launcher_runs_host_loops_and_passes_their_counters():
     # layer 0's time loop passes its step; the layer loop's body passes layer and step
     assert sorted({tuple(c) for _, _, _, c, _, _ in calls if len(c) == 1}) == [(i,) for i in range(5)]
     assert sorted({tuple(c) for _, _, _, c, _, _ in calls if len(c) == 2}) == [(l, t) for l in range(2) for t in range(5)]
+
+
+@pytest.mark.parametrize("name, expected", [("0.norm1.weight", "_0_norm1_weight"), ("layer.0.w", "layer_0_w"),
+                                            ("é", "_"), ("", "_")])
+def test_c_names_are_identifiers(name, expected):
+    assert c_name(name) == expected
+
+
+def test_a_weight_named_from_a_digit_builds():
+    """A scan body's weights are named like the module's (Swin's pair of blocks: ``0.norm1.weight``);
+    as a C identifier, ``0_norm1_weight_in``, nvcc refused the paper Swin-B kernel."""
+    b = GraphBuilder("digit_names")
+    out = b.op("mul", b.input("x", (4, 8)), b.param("0.scale", np.ones((4, 8), "float32")))
+    model = souffle.compile(b.build(out), target="cuda")
+    assert model.kernel_count == 1 and "_0_scale" in model.source
