@@ -8,6 +8,7 @@ The local CPU is described from ``/proc/cpuinfo`` and a measured memory copy, on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import platform
@@ -108,32 +109,11 @@ H100 = DeviceModel(
 )
 
 # NVIDIA H200 SXM (GH100, compute capability 9.0). H200 datasheet: 4.8 TB/s HBM3e, FP32 67 TFLOP/s,
-# FP16 tensor core 1,979 TFLOP/s with 2:4 sparsity, i.e. 989.5 dense. H100 architecture whitepaper
-# (same SXM die configuration): 132 SMs, 128 FP32 lanes per SM, 50 MB L2, 1.98 GHz boost clock (the FP32
-# peak's clock, as for the H100). CUDA Programming Guide, cc 9.0: 228 KB shared memory
-# per SM, 227 KB per block, 64K registers per SM and per block, 255 per thread, 1024 threads per block,
-# 2048 per SM, 32 blocks per SM.
-H200 = DeviceModel(
-    name="h200",
-    kind="gpu",
-    arch="sm_90",
-    sms=132,
-    peak_flops={"float32": 67e12, "float16": 989.5e12},
-    mem_bandwidth=4.8e12,
-    smem_per_sm=228 * KiB,
-    smem_per_block=227 * KiB,
-    regs_per_sm=64 * KiB,
-    regs_per_block=64 * KiB,
-    max_regs_per_thread=255,
-    max_threads_per_block=1024,
-    max_threads_per_sm=2048,
-    max_blocks_per_sm=32,
-    warp_size=32,
-    l2_bytes=50 * MiB,
-    launch_seconds=KERNEL_LAUNCH_SECONDS,
-    clock_hz=1.98e9,
-    l2_bandwidth=L2_BYTES_PER_CLOCK * 1.98e9,
-)
+# FP16 tensor core 989.5 TFLOP/s dense, as the H100; H100 architecture whitepaper (same SXM die
+# configuration): 132 SMs, 128 FP32 lanes per SM, 50 MB L2, 1.98 GHz boost clock. CUDA Programming
+# Guide, cc 9.0: 228 KB shared memory per SM, 227 KB per block, 64K registers per SM and per block,
+# 255 per thread, 1024 threads per block, 2048 per SM, 32 blocks per SM.
+H200 = dataclasses.replace(H100, name="h200", mem_bandwidth=4.8e12)  # the H100 die with HBM3e
 
 # NVIDIA A100 SXM4 40GB (GA100, compute capability 8.0). A100 datasheet: 1,555 GB/s HBM2, FP32
 # 19.5 TFLOP/s, FP16 tensor core 312 TFLOP/s dense. A100 architecture whitepaper: 108 SMs, 64 FP32 lanes

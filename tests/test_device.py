@@ -21,24 +21,15 @@ from souffle.errors import SouffleError, UnknownDeviceError
 KiB, MiB = 1024, 1024 * 1024
 
 
-def test_h200_figures():
-    assert (H200.name, H200.kind, H200.arch, H200.sms) == ("h200", "gpu", "sm_90", 132)
-    assert H200.peak_flops == {"float32": 67e12, "float16": 989.5e12}
-    assert H200.mem_bandwidth == 4.8e12
-    assert (H200.smem_per_sm, H200.smem_per_block) == (228 * KiB, 227 * KiB)
-    assert (H200.regs_per_sm, H200.regs_per_block, H200.max_regs_per_thread) == (65536, 65536, 255)
-    assert (H200.max_threads_per_block, H200.max_threads_per_sm, H200.max_blocks_per_sm) == (1024, 2048, 32)
-    assert (H200.warp_size, H200.l2_bytes) == (32, 50 * MiB)
-
-
-def test_h100_figures():
-    assert (H100.name, H100.kind, H100.arch, H100.sms) == ("h100", "gpu", "sm_90", 132)
-    assert H100.peak_flops == {"float32": 67e12, "float16": 989.5e12}
-    assert H100.mem_bandwidth == 3.35e12
-    assert (H100.smem_per_sm, H100.smem_per_block) == (228 * KiB, 227 * KiB)
-    assert (H100.regs_per_sm, H100.regs_per_block, H100.max_regs_per_thread) == (65536, 65536, 255)
-    assert (H100.max_threads_per_block, H100.max_threads_per_sm, H100.max_blocks_per_sm) == (1024, 2048, 32)
-    assert (H100.warp_size, H100.l2_bytes) == (32, 50 * MiB)
+@pytest.mark.parametrize("device, name, bandwidth", [(H200, "h200", 4.8e12), (H100, "h100", 3.35e12)])
+def test_hopper_figures(device, name, bandwidth):
+    assert (device.name, device.kind, device.arch, device.sms) == (name, "gpu", "sm_90", 132)
+    assert device.peak_flops == {"float32": 67e12, "float16": 989.5e12}
+    assert device.mem_bandwidth == bandwidth
+    assert (device.smem_per_sm, device.smem_per_block) == (228 * KiB, 227 * KiB)
+    assert (device.regs_per_sm, device.regs_per_block, device.max_regs_per_thread) == (65536, 65536, 255)
+    assert (device.max_threads_per_block, device.max_threads_per_sm, device.max_blocks_per_sm) == (1024, 2048, 32)
+    assert (device.warp_size, device.l2_bytes) == (32, 50 * MiB)
 
 
 def test_clocks_lanes_and_l2_bandwidth():
