@@ -857,6 +857,18 @@ def _touched_bytes(params: list, a: Access) -> isl.Set:
     return _cached(_ADDRESSES, text, compute)
 
 
+def _mixed_radix(writes: list, extent: int) -> list[int]:
+    """Strides, largest first and ending in 1, each a multiple of the next and the largest a
+    divisor of ``extent``: the coefficients of the writes' indices that form such a chain (a
+    tensor's row strides, a tile's offsets), which ``Checker._unwritten`` compares digit by digit."""
+    coefficients = sorted({abs(v) for w in writes for k, v in w.index.terms.items() if k and v})
+    chain = [1]
+    for c in coefficients:
+        if c > chain[-1] and c % chain[-1] == 0 and extent % c == 0:
+            chain.append(c)
+    return chain[::-1]
+
+
 def _point(found: str | isl.Set) -> dict:
     """A point of the set ``found`` (isl text or a set): its parameters' and variables' values."""
     s = isl.Set(found) if isinstance(found, str) else found
@@ -982,13 +994,10 @@ class Checker:
                 parts.append(f"[{tile}_a, {LANE}_a, {WARP_INDEX}_a] -> [e] : {exists}")
             written = isl.Map(f"[{', '.join(self.kernel.params)}] -> {{ {'; '.join(parts)} }}")
             if extent is not None:
-                universe = " and ".join([f"0 <= e < {extent}", self.kernel.grid_domain, *self.kernel.parameter_domain])
-                missing = isl.Set(f"[{', '.join(self.kernel.params)}] -> {{ [e] : {universe} }}").subtract(
-                    written.range())
-                if not missing.is_empty():
-                    p = _point(missing)
-                    self.violations.append(f"{where}: element {p['e']} of {extent} is never written "
-                                           f"(grid size {p[GRID]})")
+                missing = self._unwritten(written, extent, _mixed_radix(writes, extent))
+                if missing is not None:
+                    self.violations.append(f"{where}: element {missing[0]} of {extent} is never written "
+                                           f"(grid size {missing[1]})")
                     continue
             if not written.reverse().is_single_valued():
                 same = written.apply_range(written.reverse())  # (tile, tx, ty) -> another writing the same element
@@ -997,6 +1006,29 @@ class Checker:
                 t1, x1, y1, t2, x2, y2 = (point.get_coordinate_val(isl.dim_type.set, k).to_python() for k in range(6))
                 self.violations.append(f"{where}: threads ({x1},{y1}) of tile {t1} and ({x2},{y2}) of tile {t2} both "
                                        f"write one element (each element must have exactly one writer)")
+
+    def _unwritten(self, written: isl.Map, extent: int, strides: list[int]) -> tuple[int, int] | None:
+        """(an element of ``[0, extent)`` that ``written`` misses, the grid size) or None.
+
+        Compared digit by digit in the mixed radix ``strides`` rather than as flat indices: the
+        map from a flat index to its digits is a bijection of ``[0, extent)`` onto a box, so the
+        answer is the same, but isl subtracts a tiled matmul's flat indices (nested divisions of
+        the tile by its grid's extents) from the flat range for minutes, and their digits in
+        well under a second."""
+        params = f"[{', '.join(self.kernel.params)}]"
+        digits = [f"d{k}" for k in range(len(strides))]
+        spans = [extent] + strides[:-1]
+        definitions = [f"{d} = floor((e mod {span}) / {stride})" for d, stride, span in zip(digits, strides, spans)]
+        to_digits = isl.Map(f"{params} -> {{ [e] -> [{', '.join(digits)}] : 0 <= e < {extent} and "
+                            f"{' and '.join(definitions)} }}")
+        box = " and ".join([f"0 <= {d} < {span // stride}" for d, stride, span in zip(digits, strides, spans)]
+                           + [self.kernel.grid_domain, *self.kernel.parameter_domain])
+        missing = isl.Set(f"{params} -> {{ [{', '.join(digits)}] : {box} }}").subtract(
+            written.range().apply(to_digits))
+        if missing.is_empty():
+            return None
+        p = _point(missing)
+        return sum(p[d] * stride for d, stride in zip(digits, strides)), p[GRID]
 
     def races(self):
         bounds = self.variable_bounds()

@@ -23,7 +23,8 @@ import islpy as isl
 from tvm import te, tirx
 
 from analysis.dependence import IslWriter, NotAffine
-from codegen.staged import Loop, Stage, StagedProgram, copy_items, flat_index, loops_in, stages_in, tiles_of
+from codegen.staged import (Loop, Stage, StagedProgram, copy_items, flat_index, loops_in, same_tiles, stage_tiles,
+                            stages_in)
 from codegen.stitch import BufferRef
 
 
@@ -96,8 +97,8 @@ def _same_memory(earlier: _Access, ref: BufferRef, scope: _Scope) -> str:
 def same_block(reader: Stage, placeholder: te.Tensor, writer: Stage) -> bool:
     """Every element ``reader``'s tile t reads of ``placeholder`` was written by ``writer``'s tile t."""
     access, _ = reader.read_relation(placeholder)
-    reads = tiles_of(access.get_tuple_name(isl.dim_type.in_), reader.tensor.shape, reader.schedule.per_tile, "R")
-    writes = tiles_of(access.get_tuple_name(isl.dim_type.out), placeholder.shape, writer.schedule.per_tile, "W")
+    reads = stage_tiles(reader.schedule, access.get_tuple_name(isl.dim_type.in_), reader.tensor.shape, "R")
+    writes = stage_tiles(writer.schedule, access.get_tuple_name(isl.dim_type.out), placeholder.shape, "W")
     cross = reads.reverse().apply_range(access).apply_range(writes)
     return cross.is_subset(isl.Map("{ R[t] -> W[t] }"))
 
@@ -123,7 +124,7 @@ def _conflict(stage: Stage, writes: list[_Access], reads: list[_Access], scope: 
         overlap = _same_memory(w, stage.write, scope)
         if overlap == "disjoint":
             continue
-        if overlap == "same" and w.stage.schedule.per_tile == stage.schedule.per_tile:
+        if overlap == "same" and same_tiles(w.stage.schedule, stage.schedule):
             continue
         return f"writes {stage.write.spec.name} also written by {w.stage.name} in other blocks"
     return None

@@ -19,14 +19,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import tvm
 from tvm import tirx
 
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.threads import lower_for_device
-from codegen.schedule import WARP
 from codegen.staged import Loop, StagedProgram, loops_in, stages_in
-from codegen.stitch import seq
+from codegen.stitch import align, seq
+from codegen.schedule import POOL_ALIGN, WARP, pooled_shared
 from codegen.tiled import on_chip_loads, parameters_used, slot_views, tiled_stage
 from souffle.errors import TargetError
 from souffle.passes import Outcome
@@ -62,7 +63,8 @@ def _block_threads(threads: int):
     return elements
 
 
-def _statements(items: list, block: tirx.Var, grid: tirx.Var, threads: int, memory: dict) -> list[tirx.Stmt]:
+def _statements(items: list, block: tirx.Var, grid: tirx.Var, threads: int, memory: dict,
+                pools: dict) -> list[tirx.Stmt]:
     stmts: list[tirx.Stmt] = []
     for item in items:
         if isinstance(item, Loop):
@@ -73,14 +75,48 @@ def _statements(items: list, block: tirx.Var, grid: tirx.Var, threads: int, memo
                           for load in item.loads]
                 stmts.append(_block_sync())
             stmts.append(tirx.For(item.var, 0, item.trips, tirx.ForKind.SERIAL,
-                                  seq(_statements(item.items, block, grid, threads, memory))))
+                                  seq(_statements(item.items, block, grid, threads, memory, pools))))
             continue
         if item.barrier is not None:
             stmts.append(_grid_sync())
         elif item.block_barrier is not None:
             stmts.append(_block_sync())
-        stmts.append(tiled_stage(item, block, grid, lambda load: (memory[load.dtype], load.offset)))
+        stmts.append(tiled_stage(item, block, grid, lambda load: (memory[load.dtype], load.offset), pools))
     return stmts
+
+
+def _cleared(buffer: tirx.Buffer, start: int, end: int, threads: int) -> tirx.Stmt:
+    """The block's threads zero elements ``[start, end)`` of ``buffer`` (the stages' pool) once,
+    when the kernel starts. The stages reach the pool only through views, and TVM's
+    ``StorageRewrite`` refuses a buffer that no statement loads or stores directly ("occurred
+    before its declaration"); zeroing it is such a statement, and costs a few stores per thread.
+    It needs no ``__syncthreads`` of its own: a stage writes the pool only after one
+    (``codegen.tiled.pool_shared``)."""
+    return _block_threads(threads)(end - start, lambda e: tirx.BufferStore(buffer, tirx.const(0, buffer.dtype),
+                                                                            [e + start]))
+
+
+def dynamic_shared_layout(staged: StagedProgram, items: list) -> dict[str, tuple[int, int]]:
+    """Per dtype, the kernel's dynamic shared memory (elements) and where in it the stages'
+    pool starts: first every on-chip weight copy (``StagedProgram.on_chip``), then the pool the
+    stages of ``items`` allocate their operand slices in (``codegen.tiled.pool_shared``), as
+    large as the most any one stage needs."""
+    on_chip: dict[str, int] = {}
+    for load in (load for loop in loops_in(items) for load in loop.loads):
+        on_chip[load.dtype] = on_chip.get(load.dtype, 0) + load.elements
+    pool: dict[str, int] = {}
+    for stage in stages_in(items):
+        for dtype, n in pooled_shared(stage.func).items():
+            pool[dtype] = max(pool.get(dtype, 0), n)
+    layout = {}
+    for dtype in dict.fromkeys([*on_chip, *pool]):
+        start = align(on_chip.get(dtype, 0), POOL_ALIGN)
+        layout[dtype] = (start + pool.get(dtype, 0) if dtype in pool else on_chip[dtype], start)
+    return layout
+
+
+def dynamic_shared_bytes(staged: StagedProgram, items: list) -> int:
+    return sum(n * np.dtype(dtype).itemsize for dtype, (n, _) in dynamic_shared_layout(staged, items).items())
 
 
 def persistent_kernel(staged: StagedProgram, items: list | None = None, counters: tuple = (),
@@ -91,10 +127,15 @@ def persistent_kernel(staged: StagedProgram, items: list | None = None, counters
     grid = tirx.Var(GRID_PARAM, "int32")
     whole = items is None
     items = staged.items if whole else items
-    memory = staged.on_chip_memory() if any(loop.loads for loop in loops_in(items)) else {}
+    layout = dynamic_shared_layout(staged, items)
+    memory = {dtype: tirx.decl_buffer((n,), dtype, name=f"on_chip_{dtype}", scope="shared.dyn")
+              for dtype, (n, _) in layout.items()}
+    pools = {dtype: (memory[dtype], start) for dtype, (_, start) in layout.items()}
     allocations = [tirx.AllocBuffer(buffer) for buffer in memory.values()]
+    cleared = [_cleared(memory[dtype], start, n, staged.threads) for dtype, (n, start) in layout.items() if n > start]
+    allocations += cleared
     views = slot_views(staged, None if whole else items)
-    body = seq(allocations + views + _statements(items, block, grid, staged.threads, memory))
+    body = seq(allocations + views + _statements(items, block, grid, staged.threads, memory, pools))
     binding = tirx.IterVar(tvm.ir.Range(0, grid), block, tirx.IterVar.ThreadIndex, "blockIdx.x")
     loop = tirx.For(block, 0, grid, tirx.ForKind.THREAD_BINDING, body, thread_binding=binding)
     params = staged.parameters() if whole else parameters_used(staged, items)
@@ -175,7 +216,7 @@ def kernel_plan(staged: StagedProgram) -> KernelPlan:
                 loads = [load for loop in loops_in(run) for load in loop.loads]
                 barriers = [item for item in [*stages, *loops_in(run)] if item.barrier is not None]
                 launches.append(Launch(name, bool(barriers),
-                                       max(s.schedule.n_tiles for s in stages), sum(load.bytes for load in loads),
+                                       max(s.schedule.n_tiles for s in stages), dynamic_shared_bytes(staged, run),
                                        max((load.min_grid for load in loads), default=1)))
                 run.clear()
 

@@ -20,7 +20,9 @@ Per stage, from its template, tiles and epilogue:
 - the sectors one tile reads from L2, each once (isl, on the stage's read relations: the middle
   tile's footprint), and the stage's DRAM bytes (``codegen.traffic``).
 
-No template issues tensor-core instructions today, so ``tensor_core`` is False for every stage.
+A stage scheduled by dlight's matmul rule is read off the rule's configuration instead
+(``_matmul_work``). No template issues tensor-core instructions today, so ``tensor_core`` is
+False for every stage.
 Each stage's kernel gives its grid and co-resident blocks: from ptxas where the caller has them
 (``occupancies``, one per kernel in launch order), else estimated like ``codegen.partition``
 does before ptxas runs (``stage_registers``).
@@ -38,16 +40,18 @@ from tvm_ffi import structural_equal
 from analysis.characterize import count_flops
 from analysis.dependence import count_points, iteration_domain, tensor_loads
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
-from analysis.latency import SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork, estimate_program
+from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork,
+                              estimate_program)
 from codegen.partition import stage_registers
-from codegen.schedule import WARP
-from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, tiles_of
+from codegen.schedule import MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, WARP
+from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
 from codegen.traffic import StageTraffic, compulsory_bytes, memory_traffic
 
 # Steps of a register-accumulated reduction whose loads one thread has in flight at once: nvcc 13
 # unrolls the k loop of a thread_reduce dense with a register accumulator by 8, every load of the
 # unrolled body independent of the others (checked on its PTX, sm_90, K = 128).
 UNROLLED_STEPS = 8
+SHARED_BANKS = 32  # four-byte shared-memory banks (CUDA C++ Programming Guide, compute capability 5.x on)
 SHUFFLE_ROUNDS = int(math.log2(WARP)) + 1  # TVM's warp all-reduce: 5 shfl_down rounds, then one shfl broadcast
 
 
@@ -187,6 +191,8 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, tr
     table it indexes (``codegen.traffic``), its loads only the rows they fetch."""
     schedule = stage.schedule
     threads, template = schedule.threads, schedule.template
+    if template == "matmul":
+        return _matmul_work(stage, executions, grid, blocks_per_sm, traffic)
     warps = threads // WARP
     tile = schedule.n_tiles // 2
     holders = {p.op: k for k, p in enumerate(stage.placeholders)}
@@ -266,6 +272,52 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, tr
         on_chip_steps=on_chip_steps, block_barriers=barriers, accesses=tuple(accesses),
         l2_read_bytes=sum(min(_tile_read_bytes(stage, k, tile), asked) for k, asked in global_reads),
         dram_bytes=sum(min(traffic.reads[k][1], asked * schedule.n_tiles) for k, asked in global_reads)
+        + traffic.bytes_written, block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
+
+
+def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, traffic: StageTraffic) -> StageWork:
+    """One execution of a stage dlight's matmul rule schedules (``codegen.schedule.matmul_stage``),
+    from its configuration rather than from the TE's indices: a tile of ``rows x cols`` outputs
+    (``WARP`` lanes x ``MATMUL_MICRO[0]`` rows by ``threads / WARP`` warps x ``MATMUL_MICRO[1]``
+    columns) walks the reduction ``MATMUL_K_CHUNK`` terms at a time. Per chunk every thread
+    copies its share of both operands' slices (``rows + cols`` rows of the chunk) from global to
+    shared memory, ``MATMUL_VECTOR`` elements per instruction, coalesced along the reduction; the
+    block synchronizes; then for each term each thread loads ``MATMUL_MICRO[0]`` values of one
+    operand and ``MATMUL_MICRO[1] / MATMUL_VECTOR`` vectors of the other from shared memory and
+    issues its FMAs; and synchronizes again before the next chunk overwrites the slices. A
+    warp's loads of the row operand hit the same shared-memory banks from several lanes (the
+    conflict degree from the padded row stride), its loads of the column operand are one
+    address broadcast to the warp; the results are stored from registers once, a warp's lanes on
+    ``WARP`` rows (one sector each)."""
+    schedule = stage.schedule
+    reduction = _reduction(stage)
+    warps = schedule.threads // WARP
+    rows, cols = WARP * MATMUL_MICRO[0], warps * MATMUL_MICRO[1]
+    terms = _reduction_length(reduction)
+    chunks = -(-terms // MATMUL_K_CHUNK)
+    itemsize = np.dtype(str(reduction.dtype)).itemsize
+    vector_sectors = max(1, WARP * MATMUL_VECTOR * itemsize // SECTOR_BYTES)
+    copies = -(-(rows + cols) * chunks * MATMUL_K_CHUNK // (WARP * MATMUL_VECTOR))
+    # a slice row holds MATMUL_K_CHUNK terms padded by MATMUL_VECTOR (dlight's storage_align);
+    # at one term the lanes read the row operand MATMUL_MICRO[0] rows apart: that stride's
+    # common factor with the 32 four-byte banks is how many lanes share a bank (8 at 4 x 18 words)
+    row_words = (MATMUL_K_CHUNK + MATMUL_VECTOR) * itemsize // 4
+    conflict = math.gcd(MATMUL_MICRO[0] * row_words, SHARED_BANKS)
+    accesses = (MemoryAccess("operand slices", "load", "global", copies, vector_sectors),
+                MemoryAccess("operand slices", "store", "shared", copies, vector_sectors),
+                MemoryAccess("row operand", "load", "shared", warps * terms * MATMUL_MICRO[0],
+                             conflict * L1_SECTORS_PER_CLOCK),
+                MemoryAccess("column operand", "load", "shared", warps * terms * (MATMUL_MICRO[1] // MATMUL_VECTOR), 1),
+                MemoryAccess(stage.tensor.op.name, "store", "global", -(-rows * cols // (WARP * MATMUL_VECTOR)), WARP))
+    flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
+    read_bytes = sum(read for _, read in traffic.reads)
+    return StageWork(
+        name=stage.name, template="matmul", dtype=str(stage.tensor.dtype), executions=executions,
+        n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
+        blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=False, gemm=True, memory_steps=chunks,
+        on_chip_steps=terms, block_barriers=2 * chunks, accesses=accesses,
+        l2_read_bytes=(rows + cols) * chunks * MATMUL_K_CHUNK * itemsize,
+        dram_bytes=min(read_bytes, (rows + cols) * chunks * MATMUL_K_CHUNK * itemsize * schedule.n_tiles)
         + traffic.bytes_written, block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
 
 
@@ -389,7 +441,7 @@ def _tile_read_bytes(stage: Stage, read: int, tile: int) -> int:
     each sector once: L1 serves the tile's reuse of a sector, L2 the first touch."""
     holder = stage.placeholders[read]
     relation, _ = stage.read_relation(holder)
-    tiles = tiles_of(relation.get_tuple_name(isl.dim_type.in_), stage.tensor.shape, stage.schedule.per_tile, "T")
+    tiles = stage_tiles(stage.schedule, relation.get_tuple_name(isl.dim_type.in_), stage.tensor.shape, "T")
     outputs = tiles.intersect_range(isl.Set(f"{{ T[{tile}] }}")).domain()
     elements = relation.intersect_domain(outputs).range()
     names = [f"a{k}" for k in range(len(holder.shape))]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import islpy as isl
 import numpy as np
 
-from codegen.staged import Loop, OnChip, Stage, StagedProgram, copy_items, flat_index, loops_in, stages_in, tiles_of
+from codegen.staged import Loop, OnChip, Stage, StagedProgram, copy_items, flat_index, loops_in, stage_tiles, stages_in
 from souffle.passes import Outcome
 
 
@@ -22,7 +22,7 @@ def tile_slice(stage: Stage, read: int) -> int | None:
     relation, exact = stage.read_relation(holder)
     if not exact:
         return None
-    tiles = tiles_of(relation.get_tuple_name(isl.dim_type.in_), stage.tensor.shape, stage.schedule.per_tile, "T")
+    tiles = stage_tiles(stage.schedule, relation.get_tuple_name(isl.dim_type.in_), stage.tensor.shape, "T")
     names = [f"o{k}" for k in range(len(holder.shape))]
     flat = isl.Map(f"{{ {relation.get_tuple_name(isl.dim_type.out)}[{', '.join(names)}] -> F[f] : "
                    f"f = {flat_index(names, holder.shape)} }}")

@@ -20,6 +20,10 @@ Templates, chosen from the block's iterators (never from an op's name):
 - ``thread_reduce``: enough outputs to give every thread of the grid its own (GEMMs,
   convolutions): one output per thread, ``THREADS`` per tile, the reduction serial in a
   register, stored once (``schedule_te``).
+- ``matmul`` (GPU only): a GEMM-shaped stage of at least one tile is scheduled by TVM's dlight
+  matmul rule instead (``matmul_stage``): both operands staged through shared memory, a
+  register tile per thread. Its tiles are boxes of the output, not runs; the schedule carries
+  them as an isl relation (``StageSchedule.tile_relation``).
 
 A stage may carry an *epilogue*: the one element-wise consumer of its reduction, computed in
 the same tile so the reduction's result never goes to global memory (``epilogue_mode``):
@@ -41,15 +45,29 @@ import dataclasses
 from dataclasses import dataclass
 from functools import reduce as _fold
 
+import islpy as isl
 import tvm
 from tvm import s_tir, te, tirx
+from tvm.s_tir import dlight
 
+from analysis.dependence import IslWriter, NotAffine
 from souffle.errors import SouffleError
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
 WARP = 32
 WARP_REDUCE_MIN_EXTENT = 32  # shorter reductions leave lanes of the warp idle
 GRID_WAVE = 132 * 2  # tiles that keep a full GPU busy (H200: 132 SMs, two blocks each)
+# A GEMM-shaped stage with at least this many outputs (one tile of dlight's matmul at 256
+# threads, 128 x 32) is scheduled by ``matmul_stage``; smaller ones by ``thread_reduce``.
+MATMUL_MIN_OUTPUTS = 128 * 32
+MATMUL_MIN_USE = 0.5  # and its tiles must be at least half full
+# dlight's CUDA matmul configuration (its defaults, but for the block shape): each thread
+# accumulates MATMUL_MICRO outputs (rows along threadIdx.x, columns along threadIdx.y), the
+# reduction is staged through shared memory MATMUL_K_CHUNK terms at a time, loaded
+# MATMUL_VECTOR elements per instruction.
+MATMUL_MICRO = (4, 4)
+MATMUL_K_CHUNK = 16
+MATMUL_VECTOR = 2
 
 
 @dataclass(frozen=True)
@@ -62,10 +80,15 @@ class StageSchedule:
     threads: int
     outputs: int  # output elements
     shared_bytes: int  # shared memory the stage allocates per block
+    # ``matmul`` only: its tiles are boxes, not runs; isl text of tile -> the output elements it
+    # writes (``{ [t] -> [a0, ..., an] : ... }``), read off the scheduled function
+    tile_relation: str = ""
+    box: tuple[int, ...] = ()  # ``matmul`` only: the largest extent of a tile along each output dimension
 
     def __str__(self):
         shared = f", {self.shared_bytes} B shared" if self.shared_bytes else ""
-        return f"{self.template} {self.n_tiles} tiles x {self.per_tile} elements, {self.threads} threads{shared}"
+        shape = "x".join(map(str, self.box)) if self.box else str(self.per_tile)
+        return f"{self.template} {self.n_tiles} tiles x {shape} elements, {self.threads} threads{shared}"
 
 
 class ScheduleError(SouffleError):
@@ -186,6 +209,10 @@ def schedule_te(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, thr
     principle, but TVM's ``reverse_compute_at`` of its write-back into a tile of 32 outputs of
     30 widened it to a 6 x 6 box with no guard, which stored past the output, and
     ``compute_at`` of the reduction into a tiled write-back broke its affine bindings.)"""
+    if gpu and epilogue_mode != "shared":
+        matmul = matmul_stage(te.create_prim_func(placeholders + [tensor]), threads)
+        if matmul is not None:
+            return matmul
     if epilogue_mode is None and _accumulates_alone(tensor, threads):
         tensor, epilogue_mode = te.compute(tensor.shape, lambda *i: tensor(*i), name=tensor.op.name), "register"
     func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, epilogue_mode)
@@ -329,3 +356,249 @@ def _allocations(stmt):
             yield from _allocations(stmt.else_case)
     elif hasattr(stmt, "body"):
         yield from _allocations(stmt.body)
+
+
+class _KernelShapedMatmul(dlight.gpu.Matmul):
+    """TVM's dlight CUDA matmul rule (shared-memory tiles of both operands, a register tile of
+    4 x 4 accumulators per thread, vector loads) with the kernel's one block shape: ``WARP``
+    lanes along ``threadIdx.x`` and ``threads / WARP`` warps along ``threadIdx.y``."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def get_configs(self, target):
+        config = super().get_configs(target)
+        return dataclasses.replace(config, block_size_x=WARP, block_size_y=self.threads // WARP,
+                                   micro_size_x=MATMUL_MICRO[0], micro_size_y=MATMUL_MICRO[1],
+                                   micro_size_k=MATMUL_K_CHUNK, vector_size=MATMUL_VECTOR, unroll=0)
+
+
+_CUDA = {"kind": "cuda", "arch": "sm_80"}  # the rule does not depend on the arch
+
+
+def matmul_stage(func: tirx.PrimFunc, threads: int = THREADS) -> tuple[tirx.PrimFunc, StageSchedule] | None:
+    """``func`` (a GEMM-shaped reduction, with or without its register epilogue) scheduled by
+    dlight's matmul rule for blocks of ``threads`` threads, or None where the rule does not
+    apply (not GEMM-shaped: a reduction of no product, over a computed index) or reads an operand
+    under a condition (a padded convolution: the rule copies its slices with vector loads, and a
+    vector select loads both sides, out of bounds where the padding is; the validator found it).
+
+    dlight binds its tiles to ``blockIdx.y`` and ``blockIdx.x``; they are folded into one
+    ``blockIdx.x`` loop, the tile loop the persistent kernel replaces. Its tiles are boxes of the
+    output, so the schedule carries each tile's elements as an isl relation read off the
+    scheduled function, which the barrier analysis uses instead of runs."""
+    outputs = _product(int(d) for d in func.params[-1].shape)
+    if outputs < MATMUL_MIN_OUTPUTS or _reads_conditionally(func):
+        return None
+    scheduled = _KernelShapedMatmul(threads).apply(func, tvm.target.Target(_CUDA), False)
+    if scheduled is None:
+        return None
+    nest = _block_index_nest(scheduled.mod["main"])
+    relation = _tile_relation(scheduled.mod["main"], nest)
+    if relation is None:
+        return None
+    box = _tile_box(relation)
+    n_tiles = _product(_constant(loop.extent) for loop in nest)
+    if outputs < MATMUL_MIN_USE * n_tiles * _product(box):
+        return None  # mostly idle threads (a GEMV's one row in tiles of 128)
+    compacted = _compacted(scheduled.mod["main"])
+    folded = _fold_block_indices(compacted, _block_index_nest(compacted))
+    shared = sum(n * tvm.runtime.DataType(dtype).bits // 8 for dtype, n in pooled_shared(folded).items())
+    schedule = StageSchedule("matmul", n_tiles, _product(box), threads, outputs, shared,
+                             tile_relation=relation.to_str(), box=box)
+    return folded, schedule
+
+
+def _compacted(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with each buffer allocated where it is used, at the size one use touches: the
+    operand slices in shared memory are one chunk of one tile, not the whole operand. These
+    are TVM's own passes, run on the stage before it is stitched: after stitching, TVM hoists
+    every shared buffer to the top of the kernel, where its liveness spans every loop around the
+    stage, and would give every stage of a scan body its own shared memory; the persistent
+    kernel pools them instead (``codegen.tiled.pool_shared``). Compacted before the block
+    indices are folded into the tile, each thread's accumulators are indexed by its own loops
+    alone (folded first, their offsets kept a ``max`` of the tile's digits, and nvcc put the
+    array in local memory)."""
+    passes = [s_tir.transform.PlanAndUpdateBufferAllocationLocation(), s_tir.transform.ConvertBlocksToOpaque(),
+              s_tir.transform.CompactBufferAllocation()]
+    return tvm.transform.Sequential(passes)(tvm.IRModule({"main": func}))["main"]
+
+
+def buffer_elements(buffer: tirx.Buffer) -> int:
+    """Elements a (possibly strided, padded) buffer spans."""
+    shape = [int(d) for d in buffer.shape]
+    if not buffer.strides:
+        return _product(shape)
+    return max(1, 1 + sum((d - 1) * int(s) for d, s in zip(shape, buffer.strides)))
+
+
+def _reads_conditionally(func: tirx.PrimFunc) -> bool:
+    """Whether the reduction of ``func``, or a block before it, computes its terms under a
+    condition (``if_then_else`` or a select: a padded input); an epilogue's select (a ReLU) is
+    no operand of the product."""
+    for realize in _realizes(func.body):
+        block = realize.block
+        if block.name_hint == "root":
+            continue
+        text = str(block.body)
+        if "if_then_else(" in text or "Select(" in text:
+            return True
+        if any(iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars):
+            return False
+    return False
+
+
+def _realizes(stmt):
+    """Every block realize in ``stmt``."""
+    if isinstance(stmt, s_tir.SBlockRealize):
+        yield stmt
+        yield from _realizes(stmt.block.body)
+    elif isinstance(stmt, tirx.SeqStmt):
+        for child in stmt.seq:
+            yield from _realizes(child)
+    elif isinstance(stmt, tirx.For):
+        yield from _realizes(stmt.body)
+
+
+def _block_index_nest(func: tirx.PrimFunc) -> list[tirx.For]:
+    """The nest of ``blockIdx`` loops (outermost first) at the top of ``func``."""
+    nest, body = [], func.body.block.body
+    while isinstance(body, tirx.For) and body.thread_binding is not None and \
+            body.thread_binding.thread_tag.startswith("blockIdx"):
+        nest.append(body)
+        body = body.body
+    if not nest:
+        raise ScheduleError(f"dlight's matmul schedule binds no blockIdx loop:\n{func}")
+    return nest
+
+
+def _tile_strides(nest: list[tirx.For]) -> list[int]:
+    """Each block index's weight in the folded tile index, the outermost the most significant."""
+    extents = [_constant(loop.extent) for loop in nest]
+    return [_product(extents[k + 1:]) for k in range(len(extents))]
+
+
+def _fold_block_indices(func: tirx.PrimFunc, nest: list[tirx.For]) -> tirx.PrimFunc:
+    """``func`` with its ``nest`` of ``blockIdx`` loops made one ``blockIdx.x`` loop over their
+    product, each index bound to its digit of the tile."""
+    realize = func.body
+    root = realize.block
+    dtype = str(nest[0].loop_var.ty.dtype)
+    n_tiles = _product(_constant(loop.extent) for loop in nest)
+    tile = tirx.Var("tile", dtype)
+    digits = [tirx.Bind(loop.loop_var, tirx.floormod(tirx.floordiv(tile, tirx.const(stride, dtype)), loop.extent))
+              for loop, stride in zip(nest, _tile_strides(nest))]
+    binding = tirx.IterVar(tvm.ir.Range(0, tirx.const(n_tiles, dtype)), tile, tirx.IterVar.ThreadIndex, "blockIdx.x")
+    loop = tirx.For(tile, tirx.const(0, dtype), tirx.const(n_tiles, dtype), tirx.ForKind.THREAD_BINDING,
+                    tirx.SeqStmt(digits + [nest[-1].body]), binding)
+    root = type(root)(root.iter_vars, root.reads, root.writes, root.name_hint, loop, root.init, root.alloc_buffers,
+                      root.match_buffers, root.annotations)
+    return func.with_body(type(realize)(realize.iter_values, realize.predicate, root))
+
+
+def _constant(e) -> int:
+    if not isinstance(e, tirx.IntImm):
+        raise ScheduleError(f"loop extent {e} is not a constant")
+    return int(e.value)
+
+
+class _BlockIslWriter(IslWriter):
+    """``IslWriter`` over loops that also reads a block's iterators, as the values they are bound to."""
+
+    def __init__(self, axes: list, bound: dict):
+        super().__init__(axes)
+        self.bound = bound
+
+    def name_of(self, var) -> str:
+        for iterator, value in self.bound.items():
+            if iterator.same_as(var):
+                return f"({self.aff(value).text})"
+        return super().name_of(var)
+
+
+def _tile_relation(func: tirx.PrimFunc, nest: list[tirx.For]) -> isl.Map | None:
+    """tile -> the output elements the tile writes: every block instance writing the output,
+    over the loops around it (their bounds, the block's guard), the tile being the ``nest`` of
+    block indices folded (``_fold_block_indices``), as an isl relation. None where an index is
+    not quasi-affine in the loops."""
+    output = func.params[-1]
+    found = list(_writes_to(func.body, output, []))
+    if len(found) != 1:
+        return None
+    loops, realize = found[0]
+    names = [(loop.loop_var, f"l{k}") for k, loop in enumerate(loops)]
+    block = realize.block
+    writer = _BlockIslWriter(names, {iv.var: value for iv, value in zip(block.iter_vars, realize.iter_values)})
+    (region,) = [r for r in block.writes if r.source.same_as(output)]
+    if any(_constant(r.extent) != 1 for r in region.region):
+        return None
+    try:
+        indices = [writer.aff(r.min).text for r in region.region]
+        guard = writer.condition(realize.predicate)
+    except NotAffine:
+        return None
+    bounds = [f"{_constant(loop.min)} <= {name} < {_constant(loop.min) + _constant(loop.extent)}"
+              for loop, (_, name) in zip(loops, names)]
+    folded = " + ".join(f"{stride} * {name}" for (_, name), stride in zip(names, _tile_strides(nest)))
+    outs = [f"o{d}" for d in range(len(indices))]
+    condition = " and ".join(bounds + [guard, f"t = {folded}"] + [f"{o} = {i}" for o, i in zip(outs, indices)])
+    return isl.Map(f"{{ [t] -> [{', '.join(outs)}] : exists ({', '.join(name for _, name in names)} : {condition}) }}")
+
+
+def _writes_to(stmt, buffer: tirx.Buffer, loops: list):
+    """(loops around it, outermost first; the realize) of each block of ``stmt`` writing ``buffer``."""
+    if isinstance(stmt, s_tir.SBlockRealize):
+        if any(r.source.same_as(buffer) for r in stmt.block.writes) and stmt.block.name_hint != "root":
+            yield loops, stmt
+            return
+        yield from _writes_to(stmt.block.body, buffer, loops)
+    elif isinstance(stmt, tirx.SeqStmt):
+        for child in stmt.seq:
+            yield from _writes_to(child, buffer, loops)
+    elif isinstance(stmt, tirx.For):
+        yield from _writes_to(stmt.body, buffer, loops + [stmt])
+    elif isinstance(stmt, (s_tir.SBlock, tirx.IfThenElse)) or hasattr(stmt, "body"):
+        yield from _writes_to(stmt.body if not isinstance(stmt, tirx.IfThenElse) else stmt.then_case, buffer, loops)
+
+
+def _tile_box(relation: isl.Map) -> tuple[int, ...]:
+    """The extent of tile 0 along each output dimension (every tile but the last ones along a
+    dimension has the same)."""
+    first = relation.intersect_domain(isl.Set("{ [0] }")).range()
+    box = []
+    for d in range(first.dim(isl.dim_type.set)):
+        low, high = first.dim_min_val(d).to_python(), first.dim_max_val(d).to_python()
+        box.append(int(high) - int(low) + 1)
+    return tuple(box)
+
+
+POOL_ALIGN = 4  # elements: a pooled buffer starts on 16 bytes of float32, for its vector accesses
+
+
+def pooled_shared(func: tirx.PrimFunc) -> dict[str, int]:
+    """Elements of each dtype the shared buffers that ``func``'s inner blocks allocate take in
+    the kernel's pool (``codegen.tiled.pool_shared``)."""
+    sizes: dict[str, int] = {}
+    for buffer in inner_shared(func.body):
+        dtype = str(buffer.dtype)
+        sizes[dtype] = align_in_pool(sizes.get(dtype, 0)) + buffer_elements(buffer)
+    return sizes
+
+
+def inner_shared(stmt, root: bool = True):
+    """The shared buffers the blocks below ``stmt``'s root block allocate."""
+    if isinstance(stmt, s_tir.SBlockRealize):
+        yield from inner_shared(stmt.block, root)
+    elif isinstance(stmt, s_tir.SBlock):
+        if not root:
+            yield from (b for b in stmt.alloc_buffers if b.scope().startswith("shared"))
+        yield from inner_shared(stmt.body, False)
+    elif isinstance(stmt, tirx.SeqStmt):
+        for child in stmt.seq:
+            yield from inner_shared(child, root)
+    elif isinstance(stmt, tirx.For):
+        yield from inner_shared(stmt.body, root)
+
+
+def align_in_pool(n: int) -> int:
+    return -(-n // POOL_ALIGN) * POOL_ALIGN

@@ -262,6 +262,20 @@ def flat_index(names: list[str], shape) -> str:
     return " + ".join(terms) or "0"
 
 
+def stage_tiles(schedule: StageSchedule, tuple_name: str, shape, tile_tuple: str) -> isl.Map:
+    """Element of the output (of ``shape``) of a stage scheduled by ``schedule`` -> the tile
+    (``tile_tuple[t]``) writing it: runs of ``per_tile`` elements, or a matmul stage's boxes."""
+    if not schedule.tile_relation:
+        return tiles_of(tuple_name, shape, schedule.per_tile, tile_tuple)
+    relation = isl.Map(schedule.tile_relation).reverse()
+    return relation.set_tuple_name(isl.dim_type.in_, tuple_name).set_tuple_name(isl.dim_type.out, tile_tuple)
+
+
+def same_tiles(a: StageSchedule, b: StageSchedule) -> bool:
+    """Whether two stages writing the same tensor write each element in the same tile."""
+    return (a.per_tile, a.tile_relation) == (b.per_tile, b.tile_relation)
+
+
 def tiles_of(tuple_name: str, shape, per_tile: int, tile_tuple: str) -> isl.Map:
     """Element of a tensor of ``shape`` -> the tile (``tile_tuple[t]``) of ``per_tile`` elements holding it."""
     names = [f"a{k}" for k in range(len(shape))]

@@ -11,6 +11,7 @@ import numpy as np
 import tvm
 from tvm import s_tir, tirx
 
+from codegen.schedule import align_in_pool, buffer_elements, inner_shared
 from codegen.staged import OnChip, Stage, StagedProgram, stages_in
 from codegen.stitch import BufferRef
 
@@ -39,13 +40,51 @@ def parameters_used(staged: StagedProgram, items: list) -> list[tirx.Buffer]:
     return [b for b in staged.parameters() if b in used or b in arenas]
 
 
-def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr, on_chip=None) -> tirx.Stmt:
+def pool_shared(func: tirx.PrimFunc, pools: dict[str, tuple[tirx.Buffer, int]]) -> tuple[tirx.PrimFunc, list]:
+    """``func`` without the shared buffers its inner blocks allocate (a matmul stage's operand
+    slices, ``codegen.schedule``), and their declarations as views into the kernel's pool of
+    their dtype, one after the other from its start (``pools``: dtype -> buffer, element where
+    the pool starts in it), to put before the stage: every stage reuses the pool, so the
+    kernel needs the most one stage needs, not the sum. No barrier is added between two stages
+    that use it: a matmul stage's first write of its slices already follows a
+    ``__syncthreads``, which TVM's ``ThreadSync`` puts there because the persistent tile loop
+    rewrites the slices the previous tile read (the thread-level validator checks it, and
+    tests/test_matmul_stage.py that dropping it is caught)."""
+    offsets: dict[str, int] = {}
+    views = []
+    for buffer in inner_shared(func.body):
+        dtype = str(buffer.dtype)
+        offset = align_in_pool(offsets.get(dtype, 0))
+        offsets[dtype] = offset + buffer_elements(buffer)
+        pool, start = pools[dtype]
+        views.append(tirx.DeclBuffer(buffer, data=BufferRef(pool, start + offset, None).pointer()))
+
+    def rewrite(stmt, root: bool):
+        if isinstance(stmt, s_tir.SBlockRealize):
+            return type(stmt)(stmt.iter_values, stmt.predicate, rewrite(stmt.block, root))
+        if isinstance(stmt, s_tir.SBlock):
+            kept = [b for b in stmt.alloc_buffers if root or not b.scope().startswith("shared")]
+            return type(stmt)(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, rewrite(stmt.body, False),
+                              stmt.init, kept, stmt.match_buffers, stmt.annotations)
+        if isinstance(stmt, tirx.SeqStmt):
+            return tirx.SeqStmt([rewrite(child, root) for child in stmt.seq])
+        if isinstance(stmt, tirx.For):
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, rewrite(stmt.body, root),
+                            stmt.thread_binding, stmt.annotations)
+        return stmt
+
+    return func.with_body(rewrite(func.body, True)), views
+
+
+def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr, on_chip=None,
+                pools: dict[str, tuple[tirx.Buffer, int]] | None = None) -> tirx.Stmt:
     """The stage's code for one block: its parameters as views, and its outermost (tile) loop
     replaced by ``for t in range(ceildiv(n_tiles - block, grid)): tile = block + t * grid``.
 
     A weight kept on chip (``stage.on_chip``) is viewed, tile by tile, in the block's copy:
-    ``on_chip(load)`` gives (buffer, where this block's copy starts in it)."""
-    func = _lower_cross_thread_reductions(stage.func)
+    ``on_chip(load)`` gives (buffer, where this block's copy starts in it). The shared buffers of
+    its inner blocks are views into ``pools`` (``pool_shared``)."""
+    func, pooled = pool_shared(_lower_cross_thread_reductions(stage.func), pools or {})
     refs = stage.reads + [stage.write]
     views = [tirx.DeclBuffer(param, data=ref.pointer()) for k, (param, ref) in enumerate(zip(func.params, refs))
              if k not in stage.on_chip]
@@ -65,7 +104,7 @@ def tiled_stage(stage: Stage, block: tirx.PrimExpr, grid: tirx.PrimExpr, on_chip
                           tirx.SeqStmt([tirx.Bind(tile, block + t * grid)] + on_chip_views + [tile_loop.body]))
     new_root = type(root)(root.iter_vars, root.reads, root.writes, root.name_hint, persistent, root.init,
                           root.alloc_buffers, root.match_buffers, root.annotations)
-    return tirx.SeqStmt(views + [type(realize)(realize.iter_values, realize.predicate, new_root)])
+    return tirx.SeqStmt(views + pooled + [type(realize)(realize.iter_values, realize.predicate, new_root)])
 
 
 def _lower_cross_thread_reductions(func: tirx.PrimFunc) -> tirx.PrimFunc:

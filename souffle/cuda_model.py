@@ -111,8 +111,9 @@ class CudaModel(CompiledModel):
         r = self.resources
         functions = "1 __global__ function" if self.kernel_count == 1 else \
             f"{self.kernel_count} __global__ functions, the largest"
+        dynamic = max(launch.dynamic_shared for launch in self.kernel_plan.kernel_launches())
         report.extra["cuda"] = (f"{functions}, {r.arch}: {r.registers} registers/thread, "
-                                f"{r.shared_bytes} B static + {self.plan.on_chip_bytes} B dynamic shared memory, "
+                                f"{r.shared_bytes} B static + {dynamic} B dynamic shared memory, "
                                 f"{r.spill_bytes} B spilled")
         report.extra["co-residency"] = str(self.occupancy)
         report.extra.update(self.latency.summary())

@@ -2,6 +2,7 @@
 at every reduction step (read from the TIR that TVM hands to its CUDA code generator), and each
 thread's accumulator is one register, not a local array (which nvcc puts in local memory)."""
 
+import math
 import re
 
 import numpy as np
@@ -12,7 +13,8 @@ import souffle
 from analysis.accumulation import global_accumulations
 from analysis.threads import device_functions
 from codegen.cuda import device_module
-from codegen.schedule import schedule_te
+import codegen.schedule
+from codegen.schedule import MATMUL_MICRO, schedule_te
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
@@ -62,10 +64,19 @@ def test_an_accumulation_is_a_load_and_store_carried_across_iterations(shape, ex
 
 @pytest.mark.parametrize("threads", [32, 256])
 @pytest.mark.parametrize("m, n", [(5, 6), (37, 61), (384, 96)])
-def test_a_thread_reduction_sums_in_a_register(m, n, threads):
+def test_a_thread_reduction_sums_in_a_register(m, n, threads, monkeypatch):
+    monkeypatch.setattr(codegen.schedule, "MATMUL_MIN_OUTPUTS", m * n + 1)  # not dlight's rule: the template
     c, placeholders = _gemm(m, n, 8)
     func, schedule = schedule_te(c, placeholders, True, threads)
     assert schedule.template == "thread_reduce"
+    assert _accumulations({"main": func}) == []
+
+
+@pytest.mark.parametrize("m, n", [(384, 96), (200, 96)])
+def test_a_matmul_stage_sums_in_registers(m, n):
+    c, placeholders = _gemm(m, n, 40)
+    func, schedule = schedule_te(c, placeholders, True)
+    assert schedule.template == "matmul"
     assert _accumulations({"main": func}) == []
 
 
@@ -92,7 +103,11 @@ def _model_accumulations(name: str, config: str, level: int) -> list[str]:
     source = run_passes(models.build(name, config), "cuda", stop="cuda_source", opt_level=level).ir
     found = [str(a) for kernel, f in device_functions(source.device).items() for a in global_accumulations(f, kernel)]
     arrays = re.findall(r"\b(?:float|double|half|int) (\w+)\[(\d+)\];", source.text)
-    return found + [f"local array {name}[{n}]" for name, n in arrays if int(n) > 1 and "shared" not in name]
+    # a matmul stage's register tile (dlight's rule): MATMUL_MICRO accumulators per thread, indexed
+    # by constants once unrolled (ptxas keeps them in registers: tests/test_matmul_stage.py)
+    tile = math.prod(MATMUL_MICRO)
+    return found + [f"local array {name}[{n}]" for name, n in arrays
+                    if int(n) > 1 and "shared" not in name and not ("_reindex" in name and "_local" in name and int(n) == tile)]
 
 
 @pytest.mark.parametrize("level", [0, 4])

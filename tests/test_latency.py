@@ -19,6 +19,7 @@ from analysis.latency import (
     estimate_program,
     estimate_stage,
 )
+import codegen.schedule
 from codegen.latency import latency_estimate, stage_works
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
@@ -38,9 +39,31 @@ def _dense():
 
 @pytest.fixture(scope="module")
 def dense_works():
+    """The stages as the thread_reduce template schedules them (a GEMM this size goes to
+    dlight's matmul rule by default: ``test_matmul_stage_facts_by_hand``)."""
     graph = _dense()
-    return {level: stage_works(run_passes(graph, "cuda", stop="plan_arena", device="h100", opt_level=level).ir, H100)
-            for level in (2, 4)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codegen.schedule, "MATMUL_MIN_OUTPUTS", M * N + 1)
+        return {level: stage_works(run_passes(graph, "cuda", stop="plan_arena", device="h100", opt_level=level).ir,
+                                   H100) for level in (2, 4)}
+
+
+def test_matmul_stage_facts_by_hand():
+    """The same dense layer as dlight's matmul rule schedules it at O4 (relu and bias in its
+    epilogue): tiles of 128 x 32 outputs, K walked 16 terms at a time through shared memory."""
+    (work,) = stage_works(run_passes(_dense(), "cuda", stop="plan_arena", device="h100", opt_level=4).ir, H100)
+    assert (work.template, work.n_tiles, work.threads, work.active_threads) == ("matmul", (M // 128) * (N // 32), 256, 256)
+    assert work.gemm and work.flops == 2 * M * N * K + M * N
+    chunks = K // 16
+    copies = (128 + 32) * K // (32 * 2)  # both slices of every chunk, a float2 per lane
+    # rows 4 apart per lane, each padded to 18 floats: lanes 72 words apart share 8 of 32 banks
+    assert work.accesses == (MemoryAccess("operand slices", "load", "global", copies, 8),
+                             MemoryAccess("operand slices", "store", "shared", copies, 8),
+                             MemoryAccess("row operand", "load", "shared", 8 * K * 4, 8 * 4),
+                             MemoryAccess("column operand", "load", "shared", 8 * K * 2, 1),
+                             MemoryAccess("compute", "store", "global", 128 * 32 // 64, 32))
+    assert (work.memory_steps, work.on_chip_steps, work.block_barriers) == (chunks, K, 2 * chunks)
+    assert work.l2_read_bytes == (128 + 32) * K * 4
 
 
 def test_h100_is_a_device_everywhere_a_name_is():

@@ -98,6 +98,17 @@ struct grid_group {
 inline grid_group this_grid() { return grid_group(); }
 }  // namespace cooperative_groups
 
+// CUDA's vector types, as TVM's vectorized loads and stores use them (``*(float2*)(p) = v``),
+// with CUDA's sizes and alignments.
+struct __attribute__((aligned(8))) float2 { float x, y; };
+struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
+struct __attribute__((aligned(8))) int2 { int x, y; };
+struct __attribute__((aligned(16))) int4 { int x, y, z, w; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline int2 make_int2(int x, int y) { return {x, y}; }
+inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+
 // CUDA's max and min of floats are fmaxf and fminf, which return the other operand for a NaN.
 inline float max(float a, float b) { return fmaxf(a, b); }
 inline float min(float a, float b) { return fminf(a, b); }
