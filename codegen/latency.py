@@ -43,7 +43,7 @@ from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork,
                               estimate_program)
 from codegen.partition import stage_registers
-from codegen.schedule import MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, WARP
+from codegen.schedule import MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL_VTHREADS, WARP
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
 from codegen.traffic import StageTraffic, compulsory_bytes, memory_traffic
 
@@ -278,11 +278,11 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, tr
 def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, traffic: StageTraffic) -> StageWork:
     """One execution of a stage dlight's matmul rule schedules (``codegen.schedule.matmul_stage``),
     from its configuration rather than from the TE's indices: a tile of ``rows x cols`` outputs
-    (``WARP`` lanes x ``MATMUL_MICRO[0]`` rows by ``threads / WARP`` warps x ``MATMUL_MICRO[1]``
-    columns) walks the reduction ``MATMUL_K_CHUNK`` terms at a time. Per chunk every thread
+    (``WARP`` lanes x ``MATMUL_VTHREADS x MATMUL_MICRO[0]`` rows by ``threads / WARP`` warps x
+    ``MATMUL_MICRO[1]`` columns) walks the reduction ``MATMUL_K_CHUNK`` terms at a time. Per chunk every thread
     copies its share of both operands' slices (``rows + cols`` rows of the chunk) from global to
     shared memory, ``MATMUL_VECTOR`` elements per instruction, coalesced along the reduction; the
-    block synchronizes; then for each term each thread loads ``MATMUL_MICRO[0]`` values of one
+    block synchronizes; then for each term each thread loads its rows' values of one
     operand and ``MATMUL_MICRO[1] / MATMUL_VECTOR`` vectors of the other from shared memory and
     issues its FMAs; and synchronizes again before the next chunk overwrites the slices. A
     warp's loads of the row operand hit the same shared-memory banks from several lanes (the
@@ -292,7 +292,7 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, t
     schedule = stage.schedule
     reduction = _reduction(stage)
     warps = schedule.threads // WARP
-    rows, cols = WARP * MATMUL_MICRO[0], warps * MATMUL_MICRO[1]
+    rows, cols = WARP * MATMUL_VTHREADS * MATMUL_MICRO[0], warps * MATMUL_MICRO[1]
     terms = _reduction_length(reduction)
     chunks = -(-terms // MATMUL_K_CHUNK)
     itemsize = np.dtype(str(reduction.dtype)).itemsize
@@ -300,12 +300,14 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, t
     copies = -(-(rows + cols) * chunks * MATMUL_K_CHUNK // (WARP * MATMUL_VECTOR))
     # a slice row holds MATMUL_K_CHUNK terms padded by MATMUL_VECTOR (dlight's storage_align);
     # at one term the lanes read the row operand MATMUL_MICRO[0] rows apart: that stride's
-    # common factor with the 32 four-byte banks is how many lanes share a bank (8 at 4 x 18 words)
+    # common factor with the 32 four-byte banks is how many lanes share a bank (1 at 17 words,
+    # 8 at dlight's default 4 x 18)
     row_words = (MATMUL_K_CHUNK + MATMUL_VECTOR) * itemsize // 4
     conflict = math.gcd(MATMUL_MICRO[0] * row_words, SHARED_BANKS)
+    row_loads = MATMUL_VTHREADS * MATMUL_MICRO[0]
     accesses = (MemoryAccess("operand slices", "load", "global", copies, vector_sectors),
                 MemoryAccess("operand slices", "store", "shared", copies, vector_sectors),
-                MemoryAccess("row operand", "load", "shared", warps * terms * MATMUL_MICRO[0],
+                MemoryAccess("row operand", "load", "shared", warps * terms * row_loads,
                              conflict * L1_SECTORS_PER_CLOCK),
                 MemoryAccess("column operand", "load", "shared", warps * terms * (MATMUL_MICRO[1] // MATMUL_VECTOR), 1),
                 MemoryAccess(stage.tensor.op.name, "store", "global", -(-rows * cols // (WARP * MATMUL_VECTOR)), WARP))

@@ -61,13 +61,16 @@ GRID_WAVE = 132 * 2  # tiles that keep a full GPU busy (H200: 132 SMs, two block
 # threads, 128 x 32) is scheduled by ``matmul_stage``; smaller ones by ``thread_reduce``.
 MATMUL_MIN_OUTPUTS = 128 * 32
 MATMUL_MIN_USE = 0.5  # and its tiles must be at least half full
-# dlight's CUDA matmul configuration (its defaults, but for the block shape): each thread
-# accumulates MATMUL_MICRO outputs (rows along threadIdx.x, columns along threadIdx.y), the
-# reduction is staged through shared memory MATMUL_K_CHUNK terms at a time, loaded
-# MATMUL_VECTOR elements per instruction.
-MATMUL_MICRO = (4, 4)
+# dlight's CUDA matmul configuration: each thread accumulates MATMUL_VTHREADS x MATMUL_MICRO
+# outputs (rows along threadIdx.x, interleaved by virtual threads: lane i holds rows i, i + 32,
+# ...; columns along threadIdx.y), the reduction staged through shared memory MATMUL_K_CHUNK
+# terms at a time, MATMUL_VECTOR elements per load. Not dlight's CUDA defaults (4 x 4 micro tiles
+# of 8 x 16 threads, vectors of 2): with 32 lanes their rows 4 apart, padded to 18 floats, put
+# 8 lanes on each shared-memory bank; rows one apart, padded to 17, are conflict-free.
+MATMUL_VTHREADS = 4
+MATMUL_MICRO = (1, 4)
 MATMUL_K_CHUNK = 16
-MATMUL_VECTOR = 2
+MATMUL_VECTOR = 1
 
 
 @dataclass(frozen=True)
@@ -360,8 +363,9 @@ def _allocations(stmt):
 
 class _KernelShapedMatmul(dlight.gpu.Matmul):
     """TVM's dlight CUDA matmul rule (shared-memory tiles of both operands, a register tile of
-    4 x 4 accumulators per thread, vector loads) with the kernel's one block shape: ``WARP``
-    lanes along ``threadIdx.x`` and ``threads / WARP`` warps along ``threadIdx.y``."""
+    accumulators per thread) with the kernel's one block shape, ``WARP`` lanes along
+    ``threadIdx.x`` and ``threads / WARP`` warps along ``threadIdx.y``, and the configuration
+    above (``MATMUL_VTHREADS``, ``MATMUL_MICRO``, ...)."""
 
     def __init__(self, threads: int):
         self.threads = threads
@@ -369,7 +373,7 @@ class _KernelShapedMatmul(dlight.gpu.Matmul):
     def get_configs(self, target):
         config = super().get_configs(target)
         return dataclasses.replace(config, block_size_x=WARP, block_size_y=self.threads // WARP,
-                                   micro_size_x=MATMUL_MICRO[0], micro_size_y=MATMUL_MICRO[1],
+                                   vthread_x=MATMUL_VTHREADS, micro_size_x=MATMUL_MICRO[0], micro_size_y=MATMUL_MICRO[1],
                                    micro_size_k=MATMUL_K_CHUNK, vector_size=MATMUL_VECTOR, unroll=0)
 
 

@@ -14,7 +14,7 @@ from analysis.accumulation import global_accumulations
 from analysis.threads import device_functions
 from codegen.cuda import device_module
 import codegen.schedule
-from codegen.schedule import MATMUL_MICRO, schedule_te
+from codegen.schedule import MATMUL_MICRO, MATMUL_VTHREADS, schedule_te
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
@@ -103,9 +103,9 @@ def _model_accumulations(name: str, config: str, level: int) -> list[str]:
     source = run_passes(models.build(name, config), "cuda", stop="cuda_source", opt_level=level).ir
     found = [str(a) for kernel, f in device_functions(source.device).items() for a in global_accumulations(f, kernel)]
     arrays = re.findall(r"\b(?:float|double|half|int) (\w+)\[(\d+)\];", source.text)
-    # a matmul stage's register tile (dlight's rule): MATMUL_MICRO accumulators per thread, indexed
+    # a matmul stage's register tile (dlight's rule): its accumulators per thread, indexed
     # by constants once unrolled (ptxas keeps them in registers: tests/test_matmul_stage.py)
-    tile = math.prod(MATMUL_MICRO)
+    tile = MATMUL_VTHREADS * math.prod(MATMUL_MICRO)
     return found + [f"local array {name}[{n}]" for name, n in arrays
                     if int(n) > 1 and "shared" not in name and not ("_reindex" in name and "_local" in name and int(n) == tile)]
 

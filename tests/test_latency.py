@@ -55,13 +55,15 @@ def test_matmul_stage_facts_by_hand():
     assert (work.template, work.n_tiles, work.threads, work.active_threads) == ("matmul", (M // 128) * (N // 32), 256, 256)
     assert work.gemm and work.flops == 2 * M * N * K + M * N
     chunks = K // 16
-    copies = (128 + 32) * K // (32 * 2)  # both slices of every chunk, a float2 per lane
-    # rows 4 apart per lane, each padded to 18 floats: lanes 72 words apart share 8 of 32 banks
-    assert work.accesses == (MemoryAccess("operand slices", "load", "global", copies, 8),
-                             MemoryAccess("operand slices", "store", "shared", copies, 8),
-                             MemoryAccess("row operand", "load", "shared", 8 * K * 4, 8 * 4),
-                             MemoryAccess("column operand", "load", "shared", 8 * K * 2, 1),
-                             MemoryAccess("compute", "store", "global", 128 * 32 // 64, 32))
+    copies = (128 + 32) * K // 32  # both slices of every chunk, a float per lane
+    # lane i holds rows i, i + 32, i + 64, i + 96: at one term the lanes read rows one apart,
+    # padded to 17 floats, each on its own bank (one wavefront); the column operand is one
+    # address per warp (a broadcast)
+    assert work.accesses == (MemoryAccess("operand slices", "load", "global", copies, 4),
+                             MemoryAccess("operand slices", "store", "shared", copies, 4),
+                             MemoryAccess("row operand", "load", "shared", 8 * K * 4, 4),
+                             MemoryAccess("column operand", "load", "shared", 8 * K * 4, 1),
+                             MemoryAccess("compute", "store", "global", 128 * 32 // 32, 32))
     assert (work.memory_steps, work.on_chip_steps, work.block_barriers) == (chunks, K, 2 * chunks)
     assert work.l2_read_bytes == (128 + 32) * K * 4
 

@@ -44,9 +44,9 @@ def test_a_dense_stage_is_tiled_in_boxes_of_128_rows_by_32_columns():
     assert (schedule.template, schedule.n_tiles, schedule.box, schedule.threads) == ("matmul", 6, (128, 32), 256)
     expected = isl.Map("{ [t] -> [i, j] : 0 <= t < 6 and 0 <= i < 128 and 32t <= j < 32t + 32 }")
     assert _tiles(schedule).is_equal(expected)
-    # one chunk of 16 reduction terms of each operand in shared memory, rows padded to 18, the
-    # second slice starting on 16 bytes
-    assert schedule.shared_bytes == (2304 + (32 - 1) * 18 + 16) * 4
+    # one chunk of 16 reduction terms of each operand in shared memory, rows padded to 17 (no
+    # two of a warp's 32 lanes on one bank), the second slice starting on 16 bytes
+    assert schedule.shared_bytes == (2176 + (32 - 1) * 17 + 16) * 4
     assert "blockIdx.y" not in func.script() and func.script().count("blockIdx.x") == 1
 
 
@@ -146,7 +146,10 @@ def test_a_matmul_stage_writing_too_little_is_caught():
               if int(what.split(":")[0].removeprefix("stage ")) in matmuls]
     assert len(faults) >= len(matmuls)
     for what, make in faults:
-        assert any("is never written" in v for v in mutants.validate(kernel, make()).violations), what
+        violations = mutants.validate(kernel, make()).violations
+        assert violations, what
+        if "reindex_shared" not in what:  # the output: elements unwritten (a slice's: lanes racing on a word)
+            assert any("is never written" in v for v in violations), (what, violations)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
