@@ -188,12 +188,15 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         sch.bind(lane, "threadIdx.x")
     n_tiles = -(-outputs // per_tile)
     func = sch.mod["main"]
-    if gpu and n_tiles == 1:
+    if gpu and n_tiles == 1 and epilogue_mode is not None:
         # ``reverse_compute_at`` binds an epilogue in a single tile without the tile's index,
         # while the reduction keeps it: the two index the results differently, and TVM keeps a
         # whole local array of results per thread (98 floats for a 7 x 7 x 2 pooling) where the
         # simplified bindings agree and leave one register. (Simplified with many tiles, paper
-        # EfficientNet's convolutions wrote the last tile's elements from two threads each.)
+        # EfficientNet's convolutions wrote the last tile's elements from two threads each. A
+        # stage without an epilogue has no second binding to reconcile, and simplified, a
+        # warp_reduce one is no longer the pattern TVM's cross-thread lowering recognizes: every
+        # lane added into the one result of a full reduction of a 4-D tensor.)
         func = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": func}))["main"]
     if gpu and epilogue_mode == "shared":
         func = _synchronize_epilogue(func)

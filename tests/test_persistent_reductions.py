@@ -185,6 +185,14 @@ def test_cuda_builds_row_and_single_value_reductions_in_one_kernel():
     assert [s.epilogue for s in stages if s.schedule.outputs == 1] == [None]
 
 
+def test_a_full_reduction_without_an_epilogue_stays_a_warp_all_reduce():
+    """Found by the slow suite: at O0, the sum of a (2, 6, 5, 8) tensor to one value (one tile,
+    no epilogue) was simplified like a single-tile epilogue stage, and TVM's cross-thread
+    lowering no longer recognized it: all 32 lanes added into the result, and the validator
+    refused the kernel."""
+    _assert_builds_with_warp_all_reduces(_family((2, 6, 5, 8))[0], 0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_cuda_builds_the_reductions_at_every_level(shape):
