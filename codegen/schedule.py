@@ -51,6 +51,7 @@ from tvm import s_tir, te, tirx
 from tvm.s_tir import dlight
 
 from analysis.dependence import IslWriter, NotAffine
+from codegen.stitch import align
 from souffle.errors import SouffleError
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
@@ -582,30 +583,39 @@ def _tile_box(relation: isl.Map) -> tuple[int, ...]:
 POOL_ALIGN = 4  # elements: a pooled buffer starts on 16 bytes of float32, for its vector accesses
 
 
-def pooled_shared(func: tirx.PrimFunc) -> dict[str, int]:
-    """Elements of each dtype the shared buffers that ``func``'s inner blocks allocate take in
-    the kernel's pool (``codegen.tiled.pool_shared``)."""
-    sizes: dict[str, int] = {}
-    for buffer in inner_shared(func.body):
+def pool_offsets(func: tirx.PrimFunc) -> list[tuple[tirx.Buffer, int]]:
+    """Each shared buffer that ``func``'s inner blocks allocate, and the element where it starts
+    in the kernel's pool of its dtype (``codegen.tiled.pool_shared``): one after the other, each
+    on ``POOL_ALIGN``."""
+    ends: dict[str, int] = {}
+    placed = []
+    for buffer in _inner_shared(func.body):
         dtype = str(buffer.dtype)
-        sizes[dtype] = align_in_pool(sizes.get(dtype, 0)) + buffer_elements(buffer)
+        offset = align(ends.get(dtype, 0), POOL_ALIGN)
+        ends[dtype] = offset + buffer_elements(buffer)
+        placed.append((buffer, offset))
+    return placed
+
+
+def pooled_shared(func: tirx.PrimFunc) -> dict[str, int]:
+    """Elements of each dtype ``func``'s shared buffers take in the kernel's pool."""
+    sizes: dict[str, int] = {}
+    for buffer, offset in pool_offsets(func):
+        dtype = str(buffer.dtype)
+        sizes[dtype] = max(sizes.get(dtype, 0), offset + buffer_elements(buffer))
     return sizes
 
 
-def inner_shared(stmt, root: bool = True):
+def _inner_shared(stmt, root: bool = True):
     """The shared buffers the blocks below ``stmt``'s root block allocate."""
     if isinstance(stmt, s_tir.SBlockRealize):
-        yield from inner_shared(stmt.block, root)
+        yield from _inner_shared(stmt.block, root)
     elif isinstance(stmt, s_tir.SBlock):
         if not root:
             yield from (b for b in stmt.alloc_buffers if b.scope().startswith("shared"))
-        yield from inner_shared(stmt.body, False)
+        yield from _inner_shared(stmt.body, False)
     elif isinstance(stmt, tirx.SeqStmt):
         for child in stmt.seq:
-            yield from inner_shared(child, root)
+            yield from _inner_shared(child, root)
     elif isinstance(stmt, tirx.For):
-        yield from inner_shared(stmt.body, root)
-
-
-def align_in_pool(n: int) -> int:
-    return -(-n // POOL_ALIGN) * POOL_ALIGN
+        yield from _inner_shared(stmt.body, root)

@@ -11,7 +11,7 @@ import numpy as np
 import tvm
 from tvm import s_tir, tirx
 
-from codegen.schedule import align_in_pool, buffer_elements, inner_shared
+from codegen.schedule import pool_offsets
 from codegen.staged import OnChip, Stage, StagedProgram, stages_in
 from codegen.stitch import BufferRef
 
@@ -50,13 +50,9 @@ def pool_shared(func: tirx.PrimFunc, pools: dict[str, tuple[tirx.Buffer, int]]) 
     ``__syncthreads``, which TVM's ``ThreadSync`` puts there because the persistent tile loop
     rewrites the slices the previous tile read (the thread-level validator checks it, and
     tests/test_matmul_stage.py that dropping it is caught)."""
-    offsets: dict[str, int] = {}
     views = []
-    for buffer in inner_shared(func.body):
-        dtype = str(buffer.dtype)
-        offset = align_in_pool(offsets.get(dtype, 0))
-        offsets[dtype] = offset + buffer_elements(buffer)
-        pool, start = pools[dtype]
+    for buffer, offset in pool_offsets(func):
+        pool, start = pools[str(buffer.dtype)]
         views.append(tirx.DeclBuffer(buffer, data=BufferRef(pool, start + offset, None).pointer()))
 
     def rewrite(stmt, root: bool):
