@@ -8,7 +8,9 @@ the chain's last tensor (the *target*) to its first (the *source*). Written back
 as TVM index expressions, that map lets a consumer read the source directly and
 the chain disappears.
 
-isl -> TVM goes through sympy: each piece of the map's ``pw_multi_aff`` is walked
+isl -> TVM goes through sympy: each piece of the map's ``pw_multi_aff`` (its lexicographic
+minimum, which for a single-valued map is the map itself; ``as_pw_multi_aff`` ran for
+minutes on paper Swin's window partition, ``lexmin`` takes a millisecond) is walked
 structurally (coefficients, constant, floor divisions) into a sympy expression,
 every ``m*a - m*d*floor(a/d)`` is folded into ``m*Mod(a, d)``, the result becomes
 ``floordiv`` / ``floormod`` arithmetic and ``tvm.sym.Analyzer`` simplifies it
@@ -21,6 +23,7 @@ defined (a padding halo) the target element has no source element, which
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import islpy as isl
@@ -45,6 +48,25 @@ _ANALYZER = tvm.sym.Analyzer()  # binds nothing: what it proves holds for any in
 
 class NotComposable(SouffleError, ValueError):
     """A chain (or a rebuild) the composition cannot express; the message names the TE and why."""
+
+
+ISL_OPERATIONS = 2_000_000  # isl's work on one chain (about 30 s), past which it is left as it is
+
+
+@contextmanager
+def _bounded_isl(what: str):
+    """isl gives up on ``what`` after ``ISL_OPERATIONS`` operations, as a NotComposable."""
+    ctx = isl.DEFAULT_CONTEXT
+    ctx.reset_operations()
+    ctx.set_max_operations(ISL_OPERATIONS)
+    try:
+        yield
+    except isl.Error as error:
+        if "maximal number of operations exceeded" not in str(error):
+            raise
+        raise NotComposable(f"{what}: isl gave up after {ISL_OPERATIONS:,} operations") from None
+    finally:
+        ctx.set_max_operations(0)
 
 
 # -- the composed map -------------------------------------------------------------------------
@@ -140,19 +162,20 @@ def compose(chain: Sequence[te.Tensor]) -> ComposedMap:
             raise NotComposable(f"{where} is not one-relies-on-one: {reason}")
         steps.append(access.spatial.set_tuple_name(isl.dim_type.in_, f"s{k + 1}")
                      .set_tuple_name(isl.dim_type.out, f"s{k}"))
-    composed = steps[-1]
-    for step in reversed(steps[:-1]):
-        composed = composed.apply_range(step)
     source, target = chain[0], chain[-1]
     target_name = isl_name(target.op.name)
-    composed = (composed.set_tuple_name(isl.dim_type.in_, target_name)
-                .set_tuple_name(isl.dim_type.out, isl_name(source.op.name)).coalesce())
     axes = tuple(tirx.Var(ax.var.name, str(ax.var.ty)) for ax in target.op.axis)
     analyzer = tvm.sym.Analyzer()
     for var, extent in zip(axes, target.shape):
         analyzer.bind(var, tvm.ir.Range(0, constant(extent)))
     converter = _Converter(axes, _box(target, target_name), analyzer)
-    source_indices, defined = converter.convert(composed)
+    with _bounded_isl(f"composing {' -> '.join(t.op.name for t in chain)}"):
+        composed = steps[-1]
+        for step in reversed(steps[:-1]):
+            composed = composed.apply_range(step)
+        composed = (composed.set_tuple_name(isl.dim_type.in_, target_name)
+                    .set_tuple_name(isl.dim_type.out, isl_name(source.op.name)).coalesce())
+        source_indices, defined = converter.convert(composed)
     return ComposedMap(source, target, composed, axes, tuple(source_indices), defined)
 
 
@@ -188,7 +211,7 @@ class _Converter:
     def convert(self, composed: isl.Map) -> tuple[list[tirx.Expr], tirx.Expr]:
         """(source index per source dimension, condition for the map's domain)."""
         pieces = []
-        composed.as_pw_multi_aff().foreach_piece(lambda domain, multi: pieces.append((domain, multi)))
+        composed.lexmin_pw_multi_aff().foreach_piece(lambda domain, multi: pieces.append((domain, multi)))
         n_out = composed.dim(isl.dim_type.out)
         if not pieces:  # the target never reaches the source: any index, never defined
             return [tirx.const(0, self.dtype)] * n_out, tirx.const(False, "bool")
@@ -520,13 +543,20 @@ def rebuild_chain(chain: Sequence[te.Tensor]) -> te.Tensor:
 # -- the chains of a program ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Chain:
-    """A maximal run of data-movement TEs in a program, and the one map that replaces it."""
+    """A maximal run of data-movement TEs in a program, and the one map that replaces it.
+
+    ``composed`` is None where the composition gave up (``left_because`` says why): the
+    chain's TEs then stay as they are, which costs their buffers, never correctness.
+    """
 
     names: tuple[str, ...]  # the TEs' names in the program, in order
     source: str  # what the first TE reads
-    composed: ComposedMap
+    composed: ComposedMap | None
+    left_because: str = ""
 
     def __str__(self):
+        if self.composed is None:
+            return f"{' -> '.join(self.names)}: left as it is, {self.left_because}"
         indices = ", ".join(str(e) for e in self.composed.source_indices)
         axes = ", ".join(v.name for v in self.composed.axes)
         partial = "" if self.composed.total else f" where {self.composed.defined}"
@@ -538,7 +568,8 @@ def find_chains(deps) -> list[Chain]:
 
     A TE joins a chain when it reads exactly one tensor, one relying on one, and each value
     it writes is an element of that tensor (reshape, transpose, slice, and flatten/unsqueeze
-    views); ``deps`` is ``analysis.dependence.dependences(program)``.
+    views); ``deps`` is ``analysis.dependence.dependences(program)``. A chain that does not
+    compose is kept with the reason.
     """
     moving = {}
     for s in deps.stages:
@@ -553,5 +584,9 @@ def find_chains(deps) -> list[Chain]:
         while run[0].edges[0].tensor.op in moving:
             run.insert(0, moving[run[0].edges[0].tensor.op][0])
         tensors = [run[0].edges[0].tensor] + [s.stage for s in run]
-        chains.append(Chain(tuple(s.name for s in run), run[0].edges[0].name, compose(tensors)))
+        names, source = tuple(s.name for s in run), run[0].edges[0].name
+        try:
+            chains.append(Chain(names, source, compose(tensors)))
+        except NotComposable as why:
+            chains.append(Chain(names, source, None, str(why)))
     return chains

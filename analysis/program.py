@@ -83,6 +83,10 @@ class ProgramAnalysis:
     seconds: float  # how long the analysis took
 
     @property
+    def composed_chains(self) -> list[Chain]:
+        return [c for c in self.chains if c.composed is not None]
+
+    @property
     def lower_bound_s(self) -> float:
         """max(all FLOPs at peak, compulsory bytes at full bandwidth): no kernel can beat it."""
         flops = sum(s.cost.flops * s.trips for s in self.stages)
@@ -111,8 +115,9 @@ class ProgramAnalysis:
             "compulsory_bytes": self.compulsory_bytes,
             "lower_bound_s": self.lower_bound_s,
             "temporally_reused_tensors": len(self.reuse.temporal),
-            "data_movement_chains": len(self.chains),
-            "data_movement_tes": len({n for c in self.chains for n in c.names}),
+            "data_movement_chains": len(self.composed_chains),
+            "data_movement_tes": len({n for c in self.composed_chains for n in c.names}),
+            "chains_left": len(self.chains) - len(self.composed_chains),
             "analysis_seconds": round(self.seconds, 3),
         }
 
@@ -122,7 +127,9 @@ class ProgramAnalysis:
                                     "iterations": t.iterations} for t in self.reuse.temporal],
                 "data_movement_chains": [{"tes": list(c.names), "source": c.source, "map": str(c.composed.map),
                                           "source_indices": [str(e) for e in c.composed.source_indices]}
-                                         for c in self.chains]}
+                                         for c in self.composed_chains],
+                "chains_left": [{"tes": list(c.names), "source": c.source, "because": c.left_because}
+                                for c in self.chains if c.composed is None]}
 
     def table(self) -> str:
         header = ("TE", "op", "runs", "deps", "inputs (mapping)", "reuse", "FLOPs", "bytes", "FLOP/B", "bound")
@@ -163,7 +170,9 @@ class ProgramAnalysis:
             f"{s['temporally_reused_tensors']} tensors reused across TEs or loop iterations",
             (f"{s['data_movement_chains']} data-movement chains ({s['data_movement_tes']} TEs) compose into direct "
              f"reads; those of several TEs:"),
-            *[f"  {c}" for c in self.chains if len(c.names) > 1],
+            *[f"  {c}" for c in self.composed_chains if len(c.names) > 1],
+            *([f"{s['chains_left']} chains left as they are:"] if s["chains_left"] else []),
+            *[f"  {c}" for c in self.chains if c.composed is None],
             f"analysed in {s['analysis_seconds']:.2f} s",
         ])
 
