@@ -41,6 +41,7 @@ from codegen.vertical import inline_one_relies_on_one
 from codegen.wavefront import wavefront
 from souffle.lower import lower_graph
 from souffle.passes import IRKind, Outcome, Pass, Pipeline
+from souffle.precision import with_precision
 
 GRAPH = IRKind("graph", "graph.txt")
 TE = IRKind("te", "te.txt")
@@ -62,7 +63,10 @@ OPT_LEVELS = {
     4: "+ post-optimizations (barriers only where data crosses blocks)",
 }
 
+PRECISION = Pass("precision", lambda graph, o: Outcome(*with_precision(graph, o.precision)), GRAPH, section="transform")
+
 LLVM = Pipeline("llvm", GRAPH, (
+    PRECISION,
     Pass("hoist_scan_projections", lambda graph, _: hoist_scan_projections(graph), GRAPH),
     Pass("pack_weights", lambda graph, _: pack_weights(graph), GRAPH),
     Pass("lower", lambda graph, _: lower_graph(graph), TE),
@@ -72,6 +76,7 @@ LLVM = Pipeline("llvm", GRAPH, (
 
 # The persistent kernel's passes up to its TE program, then after its stages are built.
 TRANSFORMS = (
+    PRECISION,
     Pass("wavefront", lambda graph, _: Outcome(*wavefront(graph)), GRAPH, from_level=1, section="transform"),
     Pass("horizontal", lambda graph, _: Outcome(*horizontal(graph)), GRAPH, from_level=1, section="transform"),
     Pass("lower", lambda graph, _: lower_graph(graph), TE),

@@ -208,18 +208,37 @@ def schedule_te(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, thr
                 epilogue_mode: str | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
     """``schedule_stage`` for one TE over ``placeholders`` (a stage isolated from its program);
     an epilogue stage's tiles are counted in the epilogue's output, which the stage writes.
+    The first of ``schedule_candidates``: dlight's matmul where it applies."""
+    return _matmul_candidate(tensor, placeholders, gpu, threads, epilogue_mode) or \
+        _own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)
 
-    A reduction that each thread computes alone (``thread_reduce``) gets a copy as its register
-    epilogue: the thread sums in a register and stores once. Written in place, the output would
-    be loaded and stored at every reduction step, since nvcc must assume that the arena views
-    (one ``__restrict__`` pointer) alias the operands. (A ``cache_write`` does the same in
-    principle, but TVM's ``reverse_compute_at`` of its write-back into a tile of 32 outputs of
-    30 widened it to a 6 x 6 box with no guard, which stored past the output, and
-    ``compute_at`` of the reduction into a tiled write-back broke its affine bindings.)"""
-    if gpu and epilogue_mode != "shared":
-        matmul = matmul_stage(te.create_prim_func(placeholders + [tensor]), threads)
-        if matmul is not None:
-            return matmul
+
+def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int = THREADS,
+                        epilogue_mode: str | None = None) -> list[tuple[tirx.PrimFunc, StageSchedule]]:
+    """The schedules a stage may take: dlight's ``matmul`` first where it applies (a GEMM-shaped
+    GPU stage), then this module's own template, which every stage has (``codegen.stage``
+    picks one by the latency model)."""
+    matmul = _matmul_candidate(tensor, placeholders, gpu, threads, epilogue_mode)
+    return ([matmul] if matmul else []) + [_own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)]
+
+
+def _matmul_candidate(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int,
+                      epilogue_mode: str | None) -> tuple[tirx.PrimFunc, StageSchedule] | None:
+    if not gpu or epilogue_mode == "shared":
+        return None
+    return matmul_stage(te.create_prim_func(placeholders + [tensor]), threads)
+
+
+def _own_schedule(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int,
+                  epilogue_mode: str | None) -> tuple[tirx.PrimFunc, StageSchedule]:
+    """``schedule_stage``'s template. A reduction that each thread computes alone
+    (``thread_reduce``) gets a copy as its register epilogue: the thread sums in a register and
+    stores once. Written in place, the output would be loaded and stored at every reduction
+    step, since nvcc must assume that the arena views (one ``__restrict__`` pointer) alias the
+    operands. (A ``cache_write`` does the same in principle, but TVM's ``reverse_compute_at`` of
+    its write-back into a tile of 32 outputs of 30 widened it to a 6 x 6 box with no guard, which
+    stored past the output, and ``compute_at`` of the reduction into a tiled write-back broke its
+    affine bindings.)"""
     if epilogue_mode is None and _accumulates_alone(tensor, threads):
         tensor, epilogue_mode = te.compute(tensor.shape, lambda *i: tensor(*i), name=tensor.op.name), "register"
     func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, epilogue_mode)
@@ -398,6 +417,10 @@ def matmul_stage(func: tirx.PrimFunc, threads: int = THREADS) -> tuple[tirx.Prim
     outputs = _product(int(d) for d in func.params[-1].shape)
     if outputs < MATMUL_MIN_OUTPUTS or _reads_conditionally(func):
         return None
+    # dlight's tensor-core form of the rule (float16 operands) has its own block shape, 16 warps,
+    # where the persistent kernel has one for every stage: the rule's SIMT form until a
+    # kernel-shaped tensor-core form exists.
+    func = func.with_attr("dlight.do_not_tensorize", True)
     scheduled = _KernelShapedMatmul(threads).apply(func, tvm.target.Target(_CUDA), False)
     if scheduled is None:
         return None

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from souffle.errors import SouffleError
+from souffle.precision import DEFAULT_PRECISION
 
 
 def _compile(args) -> int:
@@ -31,7 +32,7 @@ def _compile(args) -> int:
         graph = models.build(args.model, config=args.config, seed=args.seed)  # refuses a seed numpy does not take
     compiled = souffle.compile(graph, target=args.target, device=args.device, threads=args.threads,
                                opt_level=args.opt_level, dump_ir=args.dump_ir, print_after=args.print_after,
-                               validate=args.validate)
+                               validate=args.validate, precision=args.precision)
     if (args.thread_order, args.order_seed, args.grid) != ("ascending", 0, None) and not emulated:
         raise SouffleError("--thread-order, --order-seed and --grid choose how cuda-emulated runs the kernel: they need "
                            f"--target cuda-emulated, not {args.target!r}")
@@ -54,10 +55,11 @@ def _compile(args) -> int:
     status = 0
     if args.check:
         if onnx_file:
-            expected, (rtol, atol) = _onnx_runtime(args.model, inputs), (1e-4, 1e-4)
+            expected = _onnx_runtime(args.model, inputs)
+            rtol, atol = (1e-4, 1e-4) if args.precision == "fp32" else models.FP16_TOLERANCE
         else:
-            expected = models.reference(args.model, args.config, graph.weights)(inputs)
-            rtol, atol = models.tolerance(args.model, args.config)
+            expected = models.reference(args.model, args.config, graph.weights, args.precision)(inputs)
+            rtol, atol = models.tolerance(args.model, args.config, args.precision)
         errors = [float(np.max(np.abs(o - e))) for o, e in zip(outputs, expected)]
         ok = all(np.allclose(o, e, rtol=rtol, atol=atol) for o, e in zip(outputs, expected))
         report.extra["max abs error"] = f"{max(errors):.3g} vs {'ONNX Runtime' if onnx_file else 'PyTorch'} (per output: {', '.join(f'{e:.3g}' for e in errors)})"
@@ -170,6 +172,9 @@ def _parser() -> argparse.ArgumentParser:
                              help="the persistent kernel's optimizations (cuda, llvm-persistent): 0 one kernel per TE, "
                                   "1 +horizontal and LSTM wavefront, 2 +vertical, 3 +global sync, "
                                   "4 +post-optimizations (default)")
+    compile_cmd.add_argument("--precision", default=DEFAULT_PRECISION,
+                             help="what the model computes in: fp32 (default) or fp16 (weights converted at compile "
+                                  "time, GEMMs and reductions accumulate in fp32; inputs and outputs stay fp32)")
     compile_cmd.add_argument("--emit-source", metavar="FILE",
                              help="write the generated CUDA source to FILE (targets cuda, cuda-emulated)")
     compile_cmd.add_argument("--thread-order", default="ascending", choices=("ascending", "descending", "random"),

@@ -23,6 +23,7 @@ from souffle.errors import SouffleError, TargetError
 from souffle.graph import Graph
 from souffle.lower import TEProgram
 from souffle.passes import CompileOptions, Pipeline, PipelineRun
+from souffle.precision import DEFAULT_PRECISION, check_precision
 from souffle.runtime.check import CHECK, EXPECTED, INPUTS, Check
 
 TARGETS = tuple(PIPELINES)
@@ -33,7 +34,8 @@ __all__ = ["TARGETS", "CompiledModel", "Report", "compile", "export_check", "run
 
 def compile(graph: Graph, target: str = "llvm", device: str | None = None, threads: int | None = None,
             opt_level: int | None = None, dump_ir: str | Path | None = None,
-            print_after: tuple[str, ...] | list[str] = (), validate: bool | None = None) -> CompiledModel:
+            print_after: tuple[str, ...] | list[str] = (), validate: bool | None = None,
+            precision: str = DEFAULT_PRECISION) -> CompiledModel:
     """Compile a whole model for ``target``.
 
     - ``"llvm"``: one CPU function, with the CPU's own schedules (the fast CPU path).
@@ -60,25 +62,29 @@ def compile(graph: Graph, target: str = "llvm", device: str | None = None, threa
     ``validate`` (cuda): check every kernel's threads before nvcc (``analysis.threads``: races,
     coverage, deadlock, launch fit), a ``ValidationError`` if one is unsafe; None takes the
     pipeline's default (``codegen.pipelines.VALIDATE_BY_DEFAULT``), False is for debugging.
+
+    ``precision`` (``souffle.precision``): ``"fp32"`` (default) or ``"fp16"``, the weights
+    converted once at compile time, GEMMs and reductions accumulating in float32; the model's
+    float inputs and outputs stay float32.
     """
     if not isinstance(graph, Graph):
         raise SouffleError(f"souffle.compile takes a souffle Graph, got {type(graph).__name__}")
     pipeline = _pipeline(target)
     if graph.weights is None:
         raise SouffleError(f"graph {graph.name!r} has no weights; build it with arrays or call .with_weights(...)")
-    options = _options(pipeline, device, threads, opt_level, validate)
+    options = _options(pipeline, device, threads, opt_level, validate, precision)
     run = pipeline.run(graph, options, dump_dir=dump_ir, print_after=print_after)
     return MODELS[target](graph, run)
 
 
 def run_passes(ir, target: str = "cuda", start: str | None = None, stop: str | None = None,
                device: str | None = None, threads: int | None = None, opt_level: int | None = None,
-               validate: bool | None = None) -> PipelineRun:
+               validate: bool | None = None, precision: str = DEFAULT_PRECISION) -> PipelineRun:
     """Part of ``target``'s pipeline, from pass ``start`` to pass ``stop`` (inclusive; by default
     from the first to the last), applied to ``ir`` (what ``start`` takes) with the options
     ``compile`` would use: the passes' IRs, times and notes."""
     pipeline = _pipeline(target)
-    return pipeline.run(ir, _options(pipeline, device, threads, opt_level, validate), start=start, stop=stop)
+    return pipeline.run(ir, _options(pipeline, device, threads, opt_level, validate, precision), start=start, stop=stop)
 
 
 def staged_program(program: TEProgram, target: str = "cuda", threads: int | None = None,
@@ -95,7 +101,8 @@ def _pipeline(target: str) -> Pipeline:
     return PIPELINES[target]
 
 
-def _options(pipeline: Pipeline, device: str | None, threads, opt_level, validate: bool | None = None) -> CompileOptions:
+def _options(pipeline: Pipeline, device: str | None, threads, opt_level, validate: bool | None = None,
+             precision: str = DEFAULT_PRECISION) -> CompileOptions:
     kind = get_device(pipeline.device).kind
     model = get_device(device or pipeline.device)
     if model.kind != kind:
@@ -105,7 +112,7 @@ def _options(pipeline: Pipeline, device: str | None, threads, opt_level, validat
     if validate is not None and not isinstance(validate, bool):
         raise SouffleError(f"validate must be True, False or None, got {validate!r}")
     return CompileOptions(pipeline.target, pipeline.check_level(opt_level), pipeline.check_threads(threads), model,
-                          VALIDATE_BY_DEFAULT if validate is None else validate)
+                          VALIDATE_BY_DEFAULT if validate is None else validate, check_precision(precision))
 
 
 def export_check(name: str, config: str, directory, archs: tuple[str, ...] = ("sm_80",), opt_level: int | None = None):

@@ -46,6 +46,7 @@ class CompileOptions:
     threads: int | None  # threads per block of the persistent kernel
     device: object  # the device model (analysis.device.DeviceModel) the passes size things for
     validate: bool = False  # run the thread-level validator on CUDA kernels (off only for debugging once it is on)
+    precision: str = "fp32"  # what the model computes in (``souffle.precision``)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ model's seeded initialisation:
     ["take", axis, [i, ...], r]       np.take (a permutation or a selection)
     ["add", [r, ...]]                 element-wise sum
     ["const", dtype, shape, [v, ...]] a constant (small: masks)
+    ["cast", dtype, r]                converted to dtype (float16 weights, rounded to nearest)
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def const(value: np.ndarray) -> list:
     return ["const", str(value.dtype), list(value.shape), value.reshape(-1).tolist()]
 
 
+def cast(part: list, dtype: str) -> list:
+    return ["cast", str(dtype), part]
+
+
 def evaluate(recipe: list, weights: Mapping[str, np.ndarray]) -> np.ndarray:
     """The array ``recipe`` describes, from the model's ``weights``."""
     kind = recipe[0]
@@ -73,6 +78,8 @@ def evaluate(recipe: list, weights: Mapping[str, np.ndarray]) -> np.ndarray:
         return sum(parts[1:], parts[0])
     if kind == "const":
         return np.asarray(recipe[3], dtype=recipe[1]).reshape(recipe[2])
+    if kind == "cast":
+        return np.asarray(evaluate(recipe[2], weights)).astype(recipe[1])
     raise SouffleError(f"unknown weight recipe {kind!r}")
 
 

@@ -116,13 +116,13 @@ def test_dropped_syncthreads_is_a_race():
 
 
 def test_dropped_grid_barrier_is_a_race():
-    with pytest.raises(EmulationError, match=r"data race on x word 64: block 0 thread \(0,0,0\) read it and block 1 thread \(0,0,0\) writes it with no grid barrier"):
+    with pytest.raises(EmulationError, match=r"data race on x byte 256: block 0 thread \(0,0,0\) read it and block 1 thread \(0,0,0\) writes it with no grid barrier"):
         _run(EXCHANGE.replace("cooperative_groups::this_grid().sync();", ""), "ascending", [_x()], 1)
 
 
 @pytest.mark.parametrize("order", ["ascending", "descending"])
 def test_32_lanes_adding_into_one_shared_word_is_a_race(order):
-    with pytest.raises(EmulationError, match=r"data race on shared memory word 0: block \d thread \(\d+,0,0\) wrote it"):
+    with pytest.raises(EmulationError, match=r"data race on shared memory byte 0: block \d thread \(\d+,0,0\) wrote it"):
         _run(SHARED_SUM, order, [_x()], 1)
 
 

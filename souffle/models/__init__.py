@@ -41,6 +41,7 @@ import numpy as np
 
 from souffle.errors import ConfigError, InputError, SouffleError, UnknownModelError, WeightError
 from souffle.graph import Graph
+from souffle.precision import check_precision
 
 MODELS = ("lstm", "bert", "resnext", "mmoe", "efficientnet", "swin")
 
@@ -91,26 +92,48 @@ def make_inputs(name: str, config: Config = "tiny", seed: int = 0) -> dict[str, 
     return get(name).make_inputs(_config(name, config), _checked_seed(seed))
 
 
-def reference(name: str, config: Config, weights: Mapping[str, object]) -> Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]:
-    """A function computing model ``name``'s outputs with PyTorch, in graph output order."""
+def reference(name: str, config: Config, weights: Mapping[str, object],
+              precision: str = "fp32") -> Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]:
+    """A function computing model ``name``'s outputs with PyTorch, in graph output order, as
+    float32 arrays. At ``precision="fp16"`` PyTorch runs under ``torch.autocast`` (float16
+    GEMMs and convolutions, float32 norms and softmax: the mixed precision ``souffle.precision``
+    compiles), except where autocast has no float16 CPU kernel (``torch.nn.LSTM``: oneDNN has
+    none), which computes in float32 from the weights rounded to float16."""
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         raise SouffleError(
             "the PyTorch reference needs torch; install it with `pip install torch==2.13.0`"
         ) from None
+    check_precision(precision)
     module = get(name)
     weights, cfg, _ = _parameters(module, weights, _config(name, config))
     # the weights the compiled model would get: checked and converted as the graph converts them
     checked = module.build_graph(cfg, weights).weights
-    return module.torch_reference(cfg, checked)
+    if precision == "fp32":
+        return module.torch_reference(cfg, checked)
+    if not getattr(module, "AUTOCAST", True):
+        rounded = {k: v.astype(np.float16).astype(np.float32) if v.dtype == np.float32 else v for k, v in checked.items()}
+        return module.torch_reference(cfg, rounded)
+    run = module.torch_reference(cfg, checked)
+
+    def autocast(inputs):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return [np.asarray(output, dtype=np.float32) for output in run(inputs)]
+
+    return autocast
 
 
-def tolerance(name: str, config: Config = "tiny") -> tuple[float, float]:
+FP16_TOLERANCE = (1e-2, 1e-2)  # float16's 11-bit significand: each of both sides rounds at about 5e-4 of a value
+
+
+def tolerance(name: str, config: Config = "tiny", precision: str = "fp32") -> tuple[float, float]:
     """(rtol, atol) within which Souffle's outputs must match the PyTorch reference; a config
     given as a dict or an object gets the loosest of the named configs' (it may be as large as
-    the largest of them)."""
+    the largest of them). At fp16 both sides round differently: ``FP16_TOLERANCE``."""
     _config(name, config)
+    if check_precision(precision) == "fp16":
+        return FP16_TOLERANCE
     tolerances = get(name).TOLERANCE
     if isinstance(config, str):
         return tuple(tolerances[config])

@@ -83,7 +83,7 @@ def relu(inputs):
 export_rule("relu")(_onnx_node("Relu"))
 
 
-@register_op("sigmoid", infer=_float_same, n_inputs=1)
+@register_op("sigmoid", infer=_float_same, n_inputs=1, widen=True)
 def sigmoid(inputs):
     return topi.sigmoid(inputs[0])
 
@@ -91,7 +91,7 @@ def sigmoid(inputs):
 export_rule("sigmoid")(_onnx_node("Sigmoid"))
 
 
-@register_op("tanh", infer=_float_same, n_inputs=1)
+@register_op("tanh", infer=_float_same, n_inputs=1, widen=True)
 def tanh(inputs):
     return topi.tanh(inputs[0])
 
@@ -99,7 +99,7 @@ def tanh(inputs):
 export_rule("tanh")(_onnx_node("Tanh"))
 
 
-@register_op("gelu", infer=_float_same, n_inputs=1)
+@register_op("gelu", infer=_float_same, n_inputs=1, widen=True)
 def gelu(inputs):
     """Exact GELU, x * Phi(x) with erf, as torch.nn.GELU() (not the tanh approximation)."""
     x = inputs[0]
@@ -116,7 +116,7 @@ def _gelu_onnx(e, inputs, outputs, attrs):
     e.node("Mul", [half_x, e.node("Add", [e.scalar(1.0, x), erf])], outputs)
 
 
-@register_op("silu", infer=_float_same, n_inputs=1)
+@register_op("silu", infer=_float_same, n_inputs=1, widen=True)
 def silu(inputs):
     """x * sigmoid(x), as torch.nn.SiLU()."""
     x = inputs[0]

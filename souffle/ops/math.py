@@ -30,14 +30,14 @@ def _elementwise(x: te.Tensor, fn, name: str) -> te.Tensor:
     return te.compute(x.shape, lambda *i: fn(x(*i)), name=name, tag=topi.tag.ELEMWISE)
 
 
-def _unary(kind: str, lower, onnx_type: str, infer=_float_same):
+def _unary(kind: str, lower, onnx_type: str, infer=_float_same, widen: bool = True):
     """Register a one-input op computed by ``lower(x)`` and exported as one ONNX ``onnx_type`` node."""
 
     def lowering(inputs):
         return lower(inputs[0])
 
     lowering.__doc__ = f"torch.{kind} elementwise."
-    register_op(kind, infer=infer, n_inputs=1)(lowering)
+    register_op(kind, infer=infer, n_inputs=1, widen=widen)(lowering)
 
     def export(e, inputs, outputs, attrs):
         e.node(onnx_type, inputs, outputs)
@@ -49,11 +49,11 @@ _unary("exp", topi.exp, "Exp")
 _unary("log", topi.log, "Log")
 _unary("sqrt", topi.sqrt, "Sqrt")
 _unary("erf", topi.erf, "Erf")
-_unary("neg", topi.negative, "Neg", infer=_same)
-_unary("abs", topi.abs, "Abs", infer=_same)
+_unary("neg", topi.negative, "Neg", infer=_same, widen=False)
+_unary("abs", topi.abs, "Abs", infer=_same, widen=False)
 
 
-@register_op("rsqrt", infer=_float_same, n_inputs=1)
+@register_op("rsqrt", infer=_float_same, n_inputs=1, widen=True)
 def rsqrt(inputs):
     """1 / sqrt(x), as torch.rsqrt."""
     return topi.rsqrt(inputs[0])
@@ -71,7 +71,7 @@ def _pow(specs, attrs):
     return _float_same(specs, attrs)
 
 
-@register_op("pow", infer=_pow, n_inputs=1, attrs={"exponent": 2.0})
+@register_op("pow", infer=_pow, n_inputs=1, attrs={"exponent": 2.0}, widen=True)
 def pow_op(inputs, exponent):
     """x ** exponent for a constant exponent; a square is x * x, exactly as torch computes it."""
     x = inputs[0]
@@ -149,7 +149,7 @@ def _hardswish_onnx(e, inputs, outputs, attrs):
     e.node("HardSwish", inputs, outputs)
 
 
-@register_op("gelu_tanh", infer=_float_same, n_inputs=1)
+@register_op("gelu_tanh", infer=_float_same, n_inputs=1, widen=True)
 def gelu_tanh(inputs):
     """torch.nn.GELU(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
     x = inputs[0]

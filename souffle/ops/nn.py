@@ -40,6 +40,16 @@ def _require_eps(attrs):
 
 
 # -- dense and matmul --------------------------------------------------------------------------
+def _accumulator(operand: te.Tensor) -> str:
+    """GEMM-shaped ops accumulate float16 operands in float32 (``souffle.precision``)."""
+    return "float32" if str(operand.dtype) == "float16" else str(operand.dtype)
+
+
+def _rounded(result: te.Tensor, operand: te.Tensor) -> te.Tensor:
+    """A float32 accumulation rounded back to its float16 operands' dtype."""
+    return result if str(result.dtype) == str(operand.dtype) else topi.cast(result, str(operand.dtype))
+
+
 def _dense(specs, attrs):
     x, w = specs[0], specs[1]
     require_rank(w, 2, "weight (out_features, in_features)")
@@ -56,8 +66,9 @@ def dense(inputs):
     """y = x @ W.T (+ b), W laid out (out_features, in_features) as torch.nn.Linear."""
     x, w = inputs[0], inputs[1]
     lead = shape_of(x)[:-1]
-    y = topi.nn.dense(_reshape(x, (prod(lead), x.shape[-1])), w, inputs[2] if len(inputs) == 3 else None)
-    return _reshape(y, lead + (int(w.shape[0]),))
+    y = topi.nn.dense(_reshape(x, (prod(lead), x.shape[-1])), w, inputs[2] if len(inputs) == 3 else None,
+                      out_dtype=_accumulator(x))
+    return _reshape(_rounded(y, x), lead + (int(w.shape[0]),))
 
 
 @export_rule("dense")
@@ -107,11 +118,13 @@ def matmul(inputs, transpose_b):
     if len(b.shape) == 2:
         # One shared right operand: a's batch dimensions fold into rows of one GEMM.
         lead = shape_of(a)[:-1]
-        y = topi.nn.matmul(_reshape(a, (prod(lead), a.shape[-1])), b, transpose_b=transpose_b)
-        return _reshape(y, lead + shape_of(y)[-1:])
+        y = topi.nn.matmul(_reshape(a, (prod(lead), a.shape[-1])), b, transpose_b=transpose_b,
+                           out_dtype=_accumulator(a))
+        return _reshape(_rounded(y, a), lead + shape_of(y)[-1:])
     batch = broadcast_shape(shape_of(a)[:-2], shape_of(b)[:-2])
-    y = topi.nn.batch_matmul(_as_batch3(a, batch), _as_batch3(b, batch), transpose_b=transpose_b)
-    return _reshape(y, batch + shape_of(y)[1:])
+    y = topi.nn.batch_matmul(_as_batch3(a, batch), _as_batch3(b, batch), transpose_b=transpose_b,
+                             out_dtype=_accumulator(a))
+    return _reshape(_rounded(y, a), batch + shape_of(y)[1:])
 
 
 def _swap_last_two(rank: int) -> list[int]:
@@ -145,7 +158,9 @@ def _batch_matmul(specs, attrs):
 @register_op("batch_matmul", infer=_batch_matmul, n_inputs=2, attrs={"transpose_a": False, "transpose_b": False})
 def batch_matmul(inputs, transpose_a, transpose_b):
     """torch.bmm, with either operand optionally stored transposed."""
-    return topi.nn.batch_matmul(inputs[0], inputs[1], transpose_a=transpose_a, transpose_b=transpose_b)
+    a, b = inputs
+    y = topi.nn.batch_matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=_accumulator(a))
+    return _rounded(y, a)
 
 
 @export_rule("batch_matmul")
@@ -212,18 +227,19 @@ def conv2d(inputs, stride, padding, dilation, groups):
     x, w = inputs[0], inputs[1]
     _, stride, padding, dilation = _window_attrs({"stride": stride, "padding": padding, "dilation": dilation})
     channels, out_channels = int(x.shape[1]), int(w.shape[0])
+    accumulator = _accumulator(x)
     if groups == 1:
-        y = topi.nn.conv2d_nchw(x, w, stride, padding, dilation)
+        y = topi.nn.conv2d_nchw(x, w, stride, padding, dilation, out_dtype=accumulator)
     elif groups == channels:
         # torch's (C*m, 1, R, S) depthwise weight is topi's (C, m, R, S): channel c*m+q reads input c.
         filt = _reshape(w, (channels, out_channels // channels) + shape_of(w)[2:])
-        y = topi.nn.depthwise_conv2d_nchw(x, filt, stride, padding, dilation)
+        y = topi.nn.depthwise_conv2d_nchw(x, filt, stride, padding, dilation, out_dtype=accumulator)
     else:
-        y = topi.nn.group_conv2d_nchw(x, w, stride, padding, dilation, groups)
-    if len(inputs) == 2:
-        return y
-    bias = inputs[2]
-    return te.compute(y.shape, lambda n, o, i, j: y[n, o, i, j] + bias[o], name="conv2d_bias")
+        y = topi.nn.group_conv2d_nchw(x, w, stride, padding, dilation, groups, out_dtype=accumulator)
+    if len(inputs) == 3:
+        bias = inputs[2]
+        y = te.compute(y.shape, lambda n, o, i, j: y[n, o, i, j] + bias[o].astype(accumulator), name="conv2d_bias")
+    return _rounded(y, x)
 
 
 @export_rule("conv2d")
@@ -249,7 +265,7 @@ def _batch_norm(specs, attrs):
     return [(x.shape, x.dtype)]
 
 
-@register_op("batch_norm", infer=_batch_norm, n_inputs=5, attrs={"eps": 1e-5})
+@register_op("batch_norm", infer=_batch_norm, n_inputs=5, attrs={"eps": 1e-5}, widen=True)
 def batch_norm(inputs, eps):
     """Inference batch norm over axis 1 with running statistics (torch's eval mode)."""
     return topi.nn.batch_norm(*inputs, axis=1, epsilon=float(eps))[0]
@@ -274,7 +290,7 @@ def _layer_norm(specs, attrs):
     return [(x.shape, x.dtype)]
 
 
-@register_op("layer_norm", infer=_layer_norm, n_inputs=3, attrs={"eps": 1e-5})
+@register_op("layer_norm", infer=_layer_norm, n_inputs=3, attrs={"eps": 1e-5}, widen=True)
 def layer_norm(inputs, eps):
     """torch.nn.LayerNorm over the last dimension (biased variance), by the corrected two-pass
     algorithm (Chan, Golub and LeVeque): the mean m, then the sums of d = x - m and of d^2
@@ -322,7 +338,7 @@ def _softmax(specs, attrs):
     return [(specs[0].shape, specs[0].dtype)]
 
 
-@register_op("softmax", infer=_softmax, n_inputs=1, attrs={"axis": -1})
+@register_op("softmax", infer=_softmax, n_inputs=1, attrs={"axis": -1}, widen=True)
 def softmax(inputs, axis):
     """torch.softmax. A NaN or +inf in a row makes some exp(x - max) NaN (NaN - max, inf - inf),
     so the row's sum and all of its outputs are NaN, as in torch; the max itself need not
@@ -409,7 +425,7 @@ def _max_pool2d_onnx(e, inputs, outputs, attrs):
 
 @register_op(
     "avg_pool2d", infer=_pool2d, n_inputs=1,
-    attrs={"kernel": None, "stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True},
+    attrs={"kernel": None, "stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True}, widen=True,
 )
 def avg_pool2d(inputs, **attrs):
     """torch.nn.functional.avg_pool2d, including its divisor for windows clipped by ceil_mode."""
@@ -443,7 +459,7 @@ def _global_avg_pool2d(specs, attrs):
     return [(x.shape[:2] + (1, 1), x.dtype)]
 
 
-@register_op("global_avg_pool2d", infer=_global_avg_pool2d, n_inputs=1)
+@register_op("global_avg_pool2d", infer=_global_avg_pool2d, n_inputs=1, widen=True)
 def global_avg_pool2d(inputs):
     """(N, C, H, W) -> (N, C, 1, 1), as torch.nn.AdaptiveAvgPool2d(1): the mean over H and W,
     lowered as ``mean`` is, so a model that pools (a hand-built ResNeXt, ONNX's
@@ -474,7 +490,7 @@ def _mean(specs, attrs):
     return [(tuple(d for i, d in enumerate(x.shape) if i not in axes), x.dtype)]
 
 
-@register_op("mean", infer=_mean, n_inputs=1, attrs={"axes": None, "keepdims": False})
+@register_op("mean", infer=_mean, n_inputs=1, attrs={"axes": None, "keepdims": False}, widen=True)
 def mean(inputs, axes, keepdims):
     """torch.mean over ``axes`` (all axes when None): a sum, then one division."""
     x = inputs[0]
@@ -495,7 +511,7 @@ def _mean_onnx(e, inputs, outputs, attrs):
         e.node("ReduceMean", [x], outputs, axes=axes, keepdims=keepdims)
 
 
-@register_op("sum", infer=_mean, n_inputs=1, attrs={"axes": None, "keepdims": False})
+@register_op("sum", infer=_mean, n_inputs=1, attrs={"axes": None, "keepdims": False}, widen=True)
 def sum_op(inputs, axes, keepdims):
     """torch.sum over ``axes`` (all axes when None)."""
     x = inputs[0]

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
+from tvm import topi
+
 from souffle.errors import ExportError, GraphError, UnknownOpError
 from souffle.tensor import TensorSpec
 
@@ -42,23 +44,28 @@ class OpRule:
     attrs: Mapping[str, object] = field(default_factory=dict)
     doc: str = ""
     export: ExportFn | None = None
+    widen: bool = False  # given float16, computes in float32 and rounds its outputs (``lower_op``)
 
 
 REGISTRY: dict[str, OpRule] = {}
 
 
-def register_op(kind: str, *, infer: InferFn, n_inputs: int | tuple[int, int], attrs: Mapping[str, object] | None = None):
+def register_op(kind: str, *, infer: InferFn, n_inputs: int | tuple[int, int], attrs: Mapping[str, object] | None = None,
+                widen: bool = False):
     """Register ``lower(inputs: list[te.Tensor], **attrs) -> te.Tensor | list[te.Tensor]``.
 
     ``attrs`` lists the attributes the op accepts with their defaults; any other
     attribute is refused. ``infer(specs, attrs)`` sees attrs with defaults filled in.
+    ``widen``: an op whose float16 arithmetic would lose the answer (a sum of many terms, exp,
+    a normalization) is lowered in float32 from float16 inputs and its outputs rounded to float16.
     """
     bounds = (n_inputs, n_inputs) if isinstance(n_inputs, int) else tuple(n_inputs)
 
     def decorate(lower: LowerFn) -> LowerFn:
         if kind in REGISTRY:
             raise ValueError(f"op {kind!r} is registered twice")
-        REGISTRY[kind] = OpRule(kind, infer, lower, bounds, dict(attrs or {}), (lower.__doc__ or "").strip())
+        REGISTRY[kind] = OpRule(kind, infer, lower, bounds, dict(attrs or {}), (lower.__doc__ or "").strip(),
+                                widen=widen)
         return lower
 
     return decorate
@@ -132,5 +139,14 @@ def infer_outputs(kind: str, in_specs: Sequence[TensorSpec], attrs: Mapping[str,
 def lower_op(kind: str, inputs: Sequence[object], attrs: Mapping[str, object]) -> list[object]:
     """The op's TE tensors for the given TE inputs, always as a list."""
     rule = get_rule(kind)
-    out = rule.lower(list(inputs), **full_attrs(rule, attrs, f"op {kind}"))
-    return list(out) if isinstance(out, (list, tuple)) else [out]
+    inputs = list(inputs)
+    narrow = rule.widen and any(_dtype(t) == "float16" for t in inputs)
+    if narrow:
+        inputs = [topi.cast(t, "float32") if _dtype(t) == "float16" else t for t in inputs]
+    out = rule.lower(inputs, **full_attrs(rule, attrs, f"op {kind}"))
+    out = list(out) if isinstance(out, (list, tuple)) else [out]
+    return [topi.cast(t, "float16") if narrow and _dtype(t) == "float32" else t for t in out]
+
+
+def _dtype(tensor) -> str | None:
+    return str(tensor.dtype) if hasattr(tensor, "dtype") else None

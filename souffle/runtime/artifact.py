@@ -480,9 +480,18 @@ def _launches(check: JsonFields, launches, where: str, kernels: dict, bound: set
                            "arena or enclosing loop provides")
 
 
+def _numeric_dtype(check: JsonFields, name, where: str) -> None:
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "biuf":
+        check.fail(where, f"expected a numeric dtype, got {_kind(name)}")
+
+
 def _recipe(check: JsonFields, recipe, where: str) -> None:
     """A weight recipe, in the grammar of ``souffle.recipe``."""
-    arity = {"model": 2, "stack": 2, "concat": 3, "pad": 3, "take": 4, "add": 2, "const": 4}
+    arity = {"model": 2, "stack": 2, "concat": 3, "pad": 3, "take": 4, "add": 2, "const": 4, "cast": 3}
     if not isinstance(recipe, list) or not recipe or recipe[0] not in arity or len(recipe) != arity[recipe[0]]:
         check.fail(where, f"not a weight recipe (one of {', '.join(arity)}, with its arguments)")
     kind = recipe[0]
@@ -509,12 +518,10 @@ def _recipe(check: JsonFields, recipe, where: str) -> None:
             check.integer(index, f"{where}[2][{i}]")
         _recipe(check, recipe[3], f"{where}[3]")
     else:
-        try:
-            dtype = np.dtype(recipe[1])
-        except TypeError:
-            dtype = None
-        if dtype is None or dtype.kind not in "biuf":
-            check.fail(f"{where}[1]", f"expected a numeric dtype, got {_kind(recipe[1])}")
+        _numeric_dtype(check, recipe[1], f"{where}[1]")
+        if kind == "cast":
+            _recipe(check, recipe[2], f"{where}[2]")
+            return
         shape = check.list(recipe[2], f"{where}[2]")
         for i, extent in enumerate(shape):
             check.integer(extent, f"{where}[2][{i}]")

@@ -85,7 +85,7 @@ def _cache_dir() -> Path:
 def _glue(source: str, kernels: tuple[str, ...], dynamic_shared: int) -> str:
     """An entry ``souffle_entry_<kernel>(void** args)`` per kernel, and the dynamic shared array
     the source declares ``extern``, sized for the largest launch."""
-    lines = ["#include <cstdint>", "#define uint unsigned int", "#define uchar unsigned char"]
+    lines = ["#include <cstdint>", "#include <cuda_fp16.h>", "#define uint unsigned int", "#define uchar unsigned char"]
     for kernel in kernels:
         params = kernel_signature(source, kernel)
         lines.append(f'extern "C" void {kernel}({", ".join(ctype for ctype, _ in params)});')
@@ -118,7 +118,8 @@ def build(source: str, kernels: tuple[str, ...], dynamic_shared: int = 0) -> Pat
         steps = {
             "the kernel": [compiler, *_KERNEL_FLAGS, "-include", str(HEADER), "-I", str(EMULATOR / "include"), "-c",
                            "kernel.cu", "-o", "kernel.o"],
-            "its entry points": [compiler, *_RUNTIME_FLAGS, "-c", "glue.cpp", "-o", "glue.o"],
+            "its entry points": [compiler, *_RUNTIME_FLAGS, "-I", str(EMULATOR / "include"), "-c", "glue.cpp", "-o",
+                                 "glue.o"],
             "the emulator": [compiler, *_RUNTIME_FLAGS, "-c", str(RUNTIME), "-o", "runtime.o"],
             "the link": [compiler, "-shared", "-Wl,-z,defs", "kernel.o", "glue.o", "runtime.o", "-o", "kernel.so",
                          "-ldl"],

@@ -10,7 +10,8 @@
 //   Every copy starts poisoned (0xff bytes: NaN floats).
 // - The kernel is compiled with -fsanitize=thread and -fsanitize=bounds; the hooks below receive
 //   every memory access: an access outside every buffer is an error, and so is a race, two
-//   threads touching one word (one of them writing) with no barrier ordering them: the same
+//   threads touching one 2-byte granule (one of them writing; the smallest element, a half, is
+//   one granule, so threads writing neighbouring halves do not race) with no barrier ordering them: the same
 //   __syncthreads interval for threads of one block, the same grid-barrier interval otherwise.
 #include <dlfcn.h>
 #include <link.h>
@@ -61,7 +62,10 @@ struct Fiber {
   uint64_t deposit = 0, result = 0;
 };
 
-// One access to a word: who, and in which barrier intervals.
+// Memory is tracked in granules of the smallest element's size; a race names the granule's byte offset.
+constexpr uintptr_t GRANULE = 2;
+
+// One access to a granule: who, and in which barrier intervals.
 struct Access {
   int thread = NOBODY;  // global thread index: block * threads + linear thread index
   uint32_t grid_epoch = 0, block_epoch = 0;
@@ -178,7 +182,7 @@ bool ordered(const Access& before, int thread) {
 // A write after an unordered read: "X read it and Y writes it".
 void write_after_read(const char* memory, size_t offset, const Access& read, const Fiber& writer, uintptr_t pc) {
   int read_block = read.thread / launch->threads;
-  fail("kernel %s: data race on %s word %zu: %s read it and %s writes it with no %s between them",
+  fail("kernel %s: data race on %s byte %zu: %s read it and %s writes it with no %s between them",
        launch->kernel.c_str(), memory, offset, thread_name(read_block, read.thread % launch->threads).c_str(),
        thread_name(writer.block, writer.thread).c_str(), read_block == writer.block ? "__syncthreads" : "grid barrier");
   launch->error_pcs = module_offset(read.pc) + " " + module_offset(pc);
@@ -191,7 +195,7 @@ void check_word(Word& word, bool write, const char* memory, size_t offset, uintp
   if (!ordered(word.write, me)) {
     // A read or write after an unordered write: "X wrote it and Y reads/writes it".
     int first_block = word.write.thread / launch->threads;
-    fail("kernel %s: data race on %s word %zu: %s wrote it and %s %s it with no %s between them",
+    fail("kernel %s: data race on %s byte %zu: %s wrote it and %s %s it with no %s between them",
          launch->kernel.c_str(), memory, offset, thread_name(first_block, word.write.thread % launch->threads).c_str(),
          thread_name(fiber.block, fiber.thread).c_str(), write ? "writes" : "reads",
          first_block == fiber.block ? "__syncthreads" : "grid barrier");
@@ -225,8 +229,8 @@ void on_access(void* address, size_t bytes, bool write, void* return_address) {
   uintptr_t tls = reinterpret_cast<uintptr_t>(launch->tls);
   if (at >= tls && at < tls + launch->tls_bytes) {
     std::vector<Word>& words = launch->shared_words[fiber.block];
-    for (uintptr_t word = (at - tls) / 4; word <= (at + bytes - 1 - tls) / 4; ++word) {
-      check_word(words[word], write, "shared memory", word, pc);
+    for (uintptr_t word = (at - tls) / GRANULE; word <= (at + bytes - 1 - tls) / GRANULE; ++word) {
+      check_word(words[word], write, "shared memory", word * GRANULE, pc);
     }
   } else {
     auto region = std::upper_bound(launch->regions.begin(), launch->regions.end(), at,
@@ -240,8 +244,8 @@ void on_access(void* address, size_t bytes, bool write, void* return_address) {
            thread_name(fiber.block, fiber.thread).c_str(), write ? "writes" : "reads", bytes, address);
       launch->error_pcs = module_offset(pc);
     } else {
-      for (uintptr_t word = (at - region->begin) / 4; word <= (at + bytes - 1 - region->begin) / 4; ++word) {
-        check_word(region->words[word], write, region->name.c_str(), word, pc);
+      for (uintptr_t word = (at - region->begin) / GRANULE; word <= (at + bytes - 1 - region->begin) / GRANULE; ++word) {
+        check_word(region->words[word], write, region->name.c_str(), word * GRANULE, pc);
       }
     }
   }
@@ -525,7 +529,7 @@ int souffle_emulate(void (*entry)(void**), void** args, const char* kernel, int 
   for (int i = 0; i < count; ++i) {
     size_t end = all_names.find('\n');
     Region region{regions[2 * i], regions[2 * i] + regions[2 * i + 1], all_names.substr(0, end), {}};
-    region.words.resize((regions[2 * i + 1] + 3) / 4);
+    region.words.resize((regions[2 * i + 1] + GRANULE - 1) / GRANULE);
     all_names = end == std::string::npos ? "" : all_names.substr(end + 1);
     state.regions.push_back(std::move(region));
   }
@@ -535,7 +539,7 @@ int souffle_emulate(void (*entry)(void**), void** args, const char* kernel, int 
   dl_iterate_phdr(find_tls, &found);
   if (state.tls == nullptr && state.tls_bytes > 0) fail("kernel %s: the emulator cannot find its shared memory", kernel);
   state.shared_copies.assign(grid, std::vector<char>(state.tls_bytes, static_cast<char>(0xff)));
-  state.shared_words.assign(grid, std::vector<Word>((state.tls_bytes + 3) / 4));
+  state.shared_words.assign(grid, std::vector<Word>((state.tls_bytes + GRANULE - 1) / GRANULE));
   if (state.tls != nullptr) std::memset(state.tls, 0xff, state.tls_bytes);
   state.block_epochs.assign(grid, 0);
   state.fibers.resize(static_cast<size_t>(grid) * state.threads);

@@ -1,0 +1,170 @@
+"""Compute precision (souffle.precision): float16 models with float32 accumulation.
+
+The graph conversion is checked structurally (weights, edges, scan bodies, recipes), the op
+lowerings by the dtypes of their TEs (a GEMM's float32 accumulator, a widened softmax), and
+every tiny model numerically against PyTorch at the same precision (torch.autocast), on the CPU
+and through the emulated CUDA kernel. Tolerance: ``models.FP16_TOLERANCE`` (rtol and atol 1e-2;
+measured differences 3e-5 to 5e-3).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from tvm import te, tirx
+
+import souffle
+from souffle.cli import main
+from souffle import models, recipe
+from souffle.errors import SouffleError
+from souffle.graph import Graph, GraphBuilder, Scan
+from souffle.ops import lower_op
+from souffle.precision import with_precision
+from souffle.runtime.emulated import EmulatedDevice, EmulationError
+
+MODELS = ["bert", "lstm", "resnext", "mmoe", "efficientnet", "swin"]
+
+
+def _mlp(weight: np.ndarray | None = None) -> Graph:
+    b = GraphBuilder("mlp")
+    x = b.input("x", (4, 8))
+    ids = b.input("ids", (4,), "int64")
+    w = b.param("w", np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32) if weight is None else weight)
+    y = b.op("softmax", b.op("gelu", b.op("dense", x, w)))
+    return b.build(y, b.op("cast", ids, dtype="float32"))
+
+
+def test_fp16_converts_weights_once_and_keeps_the_model_edges_float32():
+    graph = _mlp()
+    converted, notes = with_precision(graph, "fp16")
+    assert converted.params["w"].dtype == "float16"
+    assert converted.weights["w"].dtype == np.float16
+    np.testing.assert_array_equal(converted.weights["w"], graph.weights["w"].astype(np.float16))
+    assert [s.dtype for s in converted.inputs] == ["float32", "int64"]  # what callers pass is unchanged
+    assert [(n, converted.tensors[n].dtype) for n in converted.outputs] == \
+        [(n, graph.tensors[n].dtype) for n in graph.outputs]
+    entry, *_ = converted.ops
+    assert (entry.kind, entry.inputs, entry.attrs) == ("cast", ("x",), {"dtype": "float16"})
+    exits = converted.ops[-2:]
+    assert [(op.kind, op.inputs, op.outputs, op.attrs) for op in exits] == \
+        [("cast", (f"{n}.fp16",), (n,), {"dtype": "float32"}) for n in graph.outputs]
+    own_cast = next(op for op in converted.ops if op.inputs == ("ids",))
+    assert own_cast.attrs == {"dtype": "float16"}  # the model's own cast to float computes in float16
+    assert converted.recipe("w") == recipe.cast(["model", "w"], "float16")
+    assert recipe.evaluate(converted.recipe("w"), graph.weights).dtype == np.float16
+    assert notes[0] == "1 float32 weights converted to float16 at compile time (rounded to nearest)"
+
+
+def test_fp32_is_the_graph_itself_and_other_precisions_are_refused_by_name():
+    graph = _mlp()
+    assert with_precision(graph, "fp32") == (graph, [])
+    with pytest.raises(SouffleError, match="precision 'bf16' is not implemented yet; available: fp32, fp16"):
+        souffle.compile(graph, precision="bf16")
+    with pytest.raises(SouffleError, match="unknown precision 'half'; available: fp32, fp16"):
+        souffle.compile(graph, precision="half")
+
+
+def test_a_weight_that_overflows_float16_is_refused_by_name():
+    graph = _mlp(np.full((16, 8), 7e4, np.float32))
+    with pytest.raises(SouffleError, match=r"weight 'w' of 'mlp': 128 values overflow float16, whose largest is "
+                                           r"65504 \(the first: 70000.0\); compile it at precision fp32"):
+        souffle.compile(graph, precision="fp16")
+
+
+def test_scan_bodies_compute_in_float16():
+    graph = models.build("lstm", config="tiny")
+    converted, _ = with_precision(graph, "fp16")
+    scans = [op for op in converted.ops if isinstance(op, Scan)]
+    assert scans
+    for scan in scans:
+        assert {s.dtype for s in scan.body.tensors.values() if s.dtype.startswith("float")} == {"float16"}
+
+
+def test_gemms_accumulate_in_float32_and_widened_ops_compute_in_float32():
+    x = te.placeholder((64, 32), "float16", name="x")
+    w = te.placeholder((48, 32), "float16", name="w")
+    (y,) = lower_op("dense", [x, w], {})
+    assert y.dtype == "float16"
+    accumulation = y.op.input_tensors[0]
+    while accumulation.op.input_tensors and accumulation.dtype == "float16":
+        accumulation = accumulation.op.input_tensors[0]
+    assert accumulation.dtype == "float32" and accumulation.op.reduce_axis  # the sum itself is float32
+    product = accumulation.op.body[0].source[0]
+    assert isinstance(product, tirx.Mul)
+    for factor in (product.a, product.b):  # float32(x[i, k]) * float32(w[j, k])
+        assert isinstance(factor, tirx.Cast) and str(factor.ty) == "float32" and str(factor.value.ty) == "float16"
+    (probabilities,) = lower_op("softmax", [y], {})
+    assert probabilities.dtype == "float16"
+    inner = probabilities.op.input_tensors[0]
+    assert inner.dtype == "float32"  # softmax computed in float32, rounded once
+    (summed,) = lower_op("add", [y, y], {})
+    assert summed.dtype == "float16" and summed.op.input_tensors[0].same_as(y)  # no widening where float16 is exact enough
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tiny_models_match_pytorch_at_fp16_on_the_cpu(name):
+    graph = models.build(name, config="tiny")
+    inputs = models.make_inputs(name, config="tiny", seed=1)
+    expected = models.reference(name, "tiny", graph.weights, "fp16")(inputs)
+    exact = models.reference(name, "tiny", graph.weights)(inputs)
+    rtol, atol = models.tolerance(name, "tiny", "fp16")
+    for target in ("llvm", "llvm-persistent"):
+        outputs = souffle.compile(graph, target=target, precision="fp16").run(inputs)
+        for output, reference, float32 in zip(outputs, expected, exact):
+            assert output.dtype == np.float32
+            np.testing.assert_allclose(output, reference, rtol=rtol, atol=atol)
+            assert not np.array_equal(output, float32)  # it did compute in float16
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
+@pytest.mark.parametrize("name", ["bert", "lstm", "resnext"])
+def test_tiny_models_run_the_fp16_cuda_kernel_race_free_and_match_pytorch(name):
+    graph = models.build(name, config="tiny")
+    inputs = models.make_inputs(name, config="tiny", seed=1)
+    expected = models.reference(name, "tiny", graph.weights, "fp16")(inputs)
+    model = souffle.compile(graph, target="cuda-emulated", precision="fp16")
+    assert "half" in model.source
+    rtol, atol = models.tolerance(name, "tiny", "fp16")
+    for order, seed in (("ascending", 0), ("random", 3)):
+        outputs = model.schedule(order, None, seed).run(inputs)
+        for output, reference in zip(outputs, expected):
+            np.testing.assert_allclose(output, reference, rtol=rtol, atol=atol)
+
+
+@pytest.mark.slow
+def test_paper_bert_at_fp16_is_one_validated_kernel_without_spills():
+    model = souffle.compile(models.build("bert", config="paper"), target="cuda", precision="fp16")
+    assert model.source.count("__global__") == 1
+    assert "half" in model.source
+    assert model.resources.spill_bytes == 0
+
+
+# -- the emulator's memory tracking at the size of a half ---------------------------------------
+_HALVES = """#include <cuda_fp16.h>
+extern "C" __global__ void main_kernel(half* __restrict__ y, int grid_size) {
+  y[blockIdx.x * 64 + INDEX] = __float2half_rn((float)threadIdx.x);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
+def test_threads_writing_neighbouring_halves_do_not_race_and_one_half_twice_does():
+    device = EmulatedDevice(2, "random", seed=1)
+    kernel = device.load_kernels(_HALVES.replace("INDEX", "threadIdx.x"), {}, ("main_kernel",), 0)["main_kernel"]
+    y = device.alloc(128 * 2)
+    kernel.launch(2, (64, 1, 1), [y, 2])
+    np.testing.assert_array_equal(y.download("float16", (2, 64)), np.tile(np.arange(64, dtype=np.float16), (2, 1)))
+    kernel = device.load_kernels(_HALVES.replace("INDEX", "threadIdx.x / 2"), {}, ("main_kernel",), 0)["main_kernel"]
+    with pytest.raises(EmulationError, match=r"data race on y byte \d+: block \d thread \(\d+,0,0\) wrote it"):
+        kernel.launch(2, (64, 1, 1), [device.alloc(128 * 2), 2])
+
+
+def test_command_line_fp16_check_compares_with_autocast_at_its_tolerance(capsys):
+    assert main(["compile", "bert", "--precision", "fp16", "--check", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "check          PASS (rtol 0.01, atol 0.01)" in out
+    assert "precision: 39 float32 weights converted to float16 at compile time" in out
+    assert main(["compile", "bert", "--precision", "bf16"]) == 2
+    assert "precision 'bf16' is not implemented yet" in capsys.readouterr().err
