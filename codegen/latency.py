@@ -41,11 +41,11 @@ from analysis.characterize import count_flops
 from analysis.dependence import count_points, iteration_domain, tensor_loads
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork,
-                              estimate_program)
+                              estimate_program, estimate_stage)
 from codegen.partition import stage_registers
 from codegen.schedule import MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL_VTHREADS, WARP
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
-from codegen.traffic import StageTraffic, compulsory_bytes, memory_traffic
+from codegen.traffic import StageTraffic, compulsory_bytes, memory_traffic, stage_traffic
 
 # Steps of a register-accumulated reduction whose loads one thread has in flight at once: nvcc 13
 # unrolls the k loop of a thread_reduce dense with a register accumulator by 8, every load of the
@@ -85,6 +85,16 @@ def stage_works(staged: StagedProgram, device: DeviceModel,
         else:
             works.append(_stage_work(item, executions, *shape, row))
     return works
+
+
+def stage_seconds(stage: Stage, device: DeviceModel) -> float:
+    """One execution of ``stage`` alone on ``device``, on the grid its own registers and shared
+    memory allow: how ``codegen.stage`` compares a stage's candidate schedules before the
+    program around it (its kernel's grid, its on-chip weights) exists."""
+    schedule = stage.schedule
+    occupancy = co_resident_grid(stage_registers(stage), schedule.shared_bytes, device, schedule.threads)
+    work = _stage_work(stage, 1, min(occupancy.grid, schedule.n_tiles), occupancy.blocks_per_sm, stage_traffic(stage))
+    return estimate_stage(work, device).seconds
 
 
 def _kernel_runs(items: list) -> list[tuple[Stage | OnChip, int, int]]:

@@ -14,7 +14,9 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from analysis.affine import recompute
-from codegen.schedule import THREADS, schedule_te
+from analysis.device import DeviceModel
+from codegen.latency import stage_seconds
+from codegen.schedule import THREADS, schedule_candidates
 from codegen.staged import Loop, Stage, StagedProgram
 from codegen.stitch import BufferRef, Stitcher
 from souffle.errors import GraphError
@@ -62,16 +64,23 @@ def isolate_epilogue(producer: te.Tensor, consumer: te.Tensor) -> tuple[te.Tenso
 class _Stager(Stitcher):
     """The stitcher's memory placement, with regions and copies emitted as stages."""
 
-    def __init__(self, graph, gpu: bool, threads: int):
+    def __init__(self, graph, gpu: bool, threads: int, device: DeviceModel | None):
         super().__init__(graph, None, SlotArena())
         self.gpu = gpu
         self.threads = threads
+        self.device = device
         self.unique = UniqueNames()
 
     def stage(self, name: str, tensor: te.Tensor, placeholders: list[te.Tensor], reads: list[BufferRef],
               write: BufferRef, epilogue: str | None = None) -> Stage:
-        func, schedule = schedule_te(tensor, placeholders, self.gpu, self.threads, epilogue)
-        return Stage(self.unique(name), tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
+        """The stage with the schedule the latency model estimates fastest on ``device`` (the
+        first candidate, dlight's matmul where it applies, on a tie or with no device)."""
+        label = self.unique(name)
+        stages = [Stage(label, tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
+                  for func, schedule in schedule_candidates(tensor, placeholders, self.gpu, self.threads, epilogue)]
+        if len(stages) == 1 or self.device is None:
+            return stages[0]
+        return min(stages, key=lambda stage: stage_seconds(stage, self.device))
 
     def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
         name_of = {t.op: n for n, t in region.tensors.items()}
@@ -111,10 +120,12 @@ class _Stager(Stitcher):
         return Loop(name, var, trips, body)
 
 
-def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS) -> StagedProgram:
+def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS,
+                  device: DeviceModel | None = None) -> StagedProgram:
     """The program as stages of one persistent kernel with blocks of ``threads`` threads, tiled
-    for the GPU (or, with the same tiles, for the CPU), nothing synchronized yet."""
-    stager = _Stager(program.graph, gpu, threads)
+    for the GPU (or, with the same tiles, for the CPU), nothing synchronized yet; where a stage
+    has several schedules, the one the latency model estimates fastest on ``device``."""
+    stager = _Stager(program.graph, gpu, threads, device)
     items, inputs, outputs = stager.whole(program)
     weights, weight_buffers = stager.weights()
     staged = StagedProgram(program.graph.name, items, inputs, weights, weight_buffers, outputs,

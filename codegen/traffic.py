@@ -112,7 +112,7 @@ def memory_traffic(staged: StagedProgram) -> Traffic:
                 rows.extend(_load_traffic(load, loops, executions) for load in item.loads)
                 visit(item.items, loops + (item.name,), executions * item.trips)
             else:
-                rows.append(_stage_traffic(item, loops, executions))
+                rows.append(stage_traffic(item, loops, executions))
 
     visit(staged.items, (), 1)
     return Traffic(staged.name, tuple(rows), compulsory_bytes(staged))
@@ -126,7 +126,8 @@ def compulsory_bytes(staged: StagedProgram) -> int:
     return weights + inputs + outputs
 
 
-def _stage_traffic(stage: Stage, loops: tuple[str, ...], executions: int) -> StageTraffic:
+def stage_traffic(stage: Stage, loops: tuple[str, ...] = (), executions: int = 1) -> StageTraffic:
+    """``stage``'s bytes: each operand's elements its tiles read, and its output."""
     reads, exact = [], True
     for k, (ref, holder) in enumerate(zip(stage.reads, stage.placeholders)):
         if k in stage.on_chip:

@@ -20,7 +20,8 @@ from analysis.latency import (
     estimate_stage,
 )
 import codegen.schedule
-from codegen.latency import latency_estimate, stage_works
+from codegen.latency import latency_estimate, stage_seconds, stage_works
+from codegen.schedule import schedule_candidates
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
 
@@ -194,3 +195,21 @@ def test_stages_belong_to_the_kernels_codegen_launches(level):
     widest = [max(item.schedule.n_tiles for item, k, _ in runs if k == kernel and hasattr(item, "schedule"))
               for kernel in range(kernels)]
     assert widest == [launch.max_tiles for launch in plan.kernel_launches()]  # O0: host loops launch kernels
+
+
+@pytest.mark.parametrize("m, n, k, fastest", [(M, N, K, "matmul"), (128, 96, 16, "thread_reduce")])
+def test_each_stage_takes_the_schedule_the_model_estimates_fastest(m, n, k, fastest):
+    """A GEMM stage has two schedules (``codegen.schedule.schedule_candidates``): dlight's
+    matmul and its own template. 512 x 256 x 128 is faster as 32 matmul tiles; 128 x 96 x 16 is
+    three tiles of 128 x 32 outputs, which leave all but three SMs idle, and takes
+    thread_reduce's 48 tiles of one output per thread."""
+    device = get_device("h200")
+    b = GraphBuilder("gemm")
+    x = b.input("x", (m, k))
+    graph = b.build(b.op("dense", x, b.param("w", np.ones((n, k), np.float32))))
+    (stage,) = run_passes(graph, "cuda", stop="stage", device="h200").ir.stages()
+    assert stage.schedule.template == fastest
+    candidates = [dataclasses.replace(stage, func=func, schedule=schedule) for func, schedule in
+                  schedule_candidates(stage.tensor, stage.placeholders, True, stage.schedule.threads, stage.epilogue)]
+    assert sorted(c.schedule.template for c in candidates) == ["matmul", "thread_reduce"]
+    assert stage_seconds(stage, device) == min(stage_seconds(c, device) for c in candidates)
