@@ -87,13 +87,15 @@ def stage_works(staged: StagedProgram, device: DeviceModel,
     return works
 
 
-def stage_seconds(stage: Stage, device: DeviceModel) -> float:
+def stage_seconds(stage: Stage, device: DeviceModel, traffic: StageTraffic | None = None) -> float:
     """One execution of ``stage`` alone on ``device``, on the grid its own registers and shared
     memory allow: how ``codegen.stage`` compares a stage's candidate schedules before the
-    program around it (its kernel's grid, its on-chip weights) exists."""
+    program around it (its kernel's grid, its on-chip weights) exists. ``traffic``: the
+    stage's ``stage_traffic``, which its schedule does not change (computed when not given)."""
     schedule = stage.schedule
     occupancy = co_resident_grid(stage_registers(stage), schedule.shared_bytes, device, schedule.threads)
-    work = _stage_work(stage, 1, min(occupancy.grid, schedule.n_tiles), occupancy.blocks_per_sm, stage_traffic(stage))
+    work = _stage_work(stage, 1, min(occupancy.grid, schedule.n_tiles), occupancy.blocks_per_sm,
+                       traffic or stage_traffic(stage))
     return estimate_stage(work, device).seconds
 
 

@@ -19,6 +19,7 @@ from codegen.latency import stage_seconds
 from codegen.schedule import THREADS, schedule_candidates
 from codegen.staged import Loop, Stage, StagedProgram
 from codegen.stitch import BufferRef, Stitcher
+from codegen.traffic import stage_traffic
 from souffle.errors import GraphError
 from souffle.graph import TensorSpec
 from souffle.lower import Region, TEProgram
@@ -80,7 +81,8 @@ class _Stager(Stitcher):
                   for func, schedule in schedule_candidates(tensor, placeholders, self.gpu, self.threads, epilogue)]
         if len(stages) == 1 or self.device is None:
             return stages[0]
-        return min(stages, key=lambda stage: stage_seconds(stage, self.device))
+        traffic = stage_traffic(stages[0])  # the same bytes whichever schedule reads them
+        return min(stages, key=lambda stage: stage_seconds(stage, self.device, traffic))
 
     def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
         name_of = {t.op: n for n, t in region.tensors.items()}

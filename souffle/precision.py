@@ -44,34 +44,27 @@ def with_precision(graph: Graph, precision: str) -> tuple[Graph, list[str]]:
     if dtype == "float32":
         return graph, []
     floats = [s for s in graph.params.values() if s.dtype == "float32"]
-    outer_inputs = [s for s in graph.inputs if s.dtype == "float32"]
-    rename = {s.name: f"{s.name}.{precision}" for s in outer_inputs}
-    entry = [Op("cast", (s.name,), (rename[s.name],), {"dtype": dtype}) for s in outer_inputs]
-    ops, outputs, exits = _converted_ops(graph, dtype, precision, rename)
+    float_inputs = [s.name for s in graph.inputs if s.dtype == "float32"]
+    float_outputs = [n for n in graph.outputs if graph.tensors[n].dtype == "float32"]
+    # inside the model, a float input or output is the tensor of its name and the precision
+    inner = {n: f"{n}.{precision}" for n in float_inputs + float_outputs}
+    entry = [Op("cast", (n,), (inner[n],), {"dtype": dtype}) for n in float_inputs]
+    ops = _retyped(graph.ops, dtype, lambda n: inner.get(n, n))
+    exits = [Op("cast", (inner[n],), (n,), {"dtype": "float32"}) for n in float_outputs]
     converted = Graph(graph.name, graph.inputs, [_narrowed(s, dtype) for s in graph.params.values()],
-                      entry + ops + exits, outputs,
+                      entry + ops + exits, graph.outputs,
                       None if graph.weights is None else _converted_weights(graph, dtype),
                       {**graph.recipes, **{s.name: recipe.cast(graph.recipe(s.name), dtype) for s in floats}})
     converted.weight_notes = graph.weight_notes
     notes = [f"{len(floats)} float32 weights converted to {dtype} at compile time (rounded to nearest)",
-             f"{len(outer_inputs)} float32 inputs and {len(exits)} outputs cast at the model's edge",
-             f"GEMM-shaped ops accumulate in float32; softmax, norms, reductions and transcendental "
-             f"functions compute in float32"]
+             f"{len(entry)} float32 inputs and {len(exits)} outputs cast at the model's edge",
+             "GEMM-shaped ops accumulate in float32; softmax, norms, reductions and transcendental "
+             "functions compute in float32"]
     return converted, notes
 
 
 def _narrowed(spec: TensorSpec, dtype: str) -> TensorSpec:
     return TensorSpec(spec.name, spec.shape, dtype) if spec.dtype == "float32" else spec
-
-
-def _converted_ops(graph: Graph, dtype: str, precision: str, rename: dict[str, str]):
-    """The ops reading renamed tensors; each float32 output now computed as ``dtype`` under an
-    inner name and cast back to its own name by an exit op."""
-    float_outputs = [n for n in graph.outputs if graph.tensors[n].dtype == "float32"]
-    renamed = {**rename, **{n: f"{n}.{precision}" for n in float_outputs}}
-    ops = _retyped(graph.ops, dtype, lambda n: renamed.get(n, n))
-    exits = [Op("cast", (renamed[n],), (n,), {"dtype": "float32"}) for n in float_outputs]
-    return ops, list(graph.outputs), exits
 
 
 def _retyped(ops, dtype: str, name) -> list:

@@ -30,7 +30,7 @@ mutants = importlib.import_module("scripts.validate_mutants")
 def matmul_wherever_it_applies(monkeypatch):
     """These tests check the matmul stages themselves on GEMMs small enough to run emulated,
     where the latency model would pick another template (``codegen.stage``): pin the choice."""
-    monkeypatch.setattr("codegen.stage.stage_seconds", lambda stage, device: stage.schedule.template != "matmul")
+    monkeypatch.setattr("codegen.stage.stage_seconds", lambda stage, device, traffic: stage.schedule.template != "matmul")
 
 
 # BERT with GEMMs large enough for the rule (its tiny configuration's are not): 128 tokens, hidden 64.

@@ -10,9 +10,9 @@
 //   Every copy starts poisoned (0xff bytes: NaN floats).
 // - The kernel is compiled with -fsanitize=thread and -fsanitize=bounds; the hooks below receive
 //   every memory access: an access outside every buffer is an error, and so is a race, two
-//   threads touching one 2-byte granule (one of them writing; the smallest element, a half, is
-//   one granule, so threads writing neighbouring halves do not race) with no barrier ordering them: the same
-//   __syncthreads interval for threads of one block, the same grid-barrier interval otherwise.
+//   threads touching one 2-byte granule (one of them writing; a half, the smallest element, is
+//   one granule, so threads writing neighbouring halves do not race) with no barrier ordering
+//   them: the same __syncthreads interval for threads of one block, the same grid-barrier interval otherwise.
 #include <dlfcn.h>
 #include <link.h>
 #include <sys/mman.h>
@@ -72,14 +72,14 @@ struct Access {
   uintptr_t pc = 0;  // the instruction, for the report
 };
 
-struct Word {
+struct Granule {
   Access write, read, other_read;  // other_read: the last reader other than read.thread
 };
 
 struct Region {
   uintptr_t begin, end;
   std::string name;
-  std::vector<Word> words;
+  std::vector<Granule> granules;
 };
 
 struct Launch {
@@ -99,7 +99,7 @@ struct Launch {
   char* tls = nullptr;
   size_t tls_bytes = 0;
   std::vector<std::vector<char>> shared_copies;
-  std::vector<std::vector<Word>> shared_words;
+  std::vector<std::vector<Granule>> shared_granules;
   int resident_block = 0;
   std::string error;
   std::string error_pcs;  // "pc pc": the accesses an error names, resolved to lines by the caller
@@ -188,33 +188,33 @@ void write_after_read(const char* memory, size_t offset, const Access& read, con
   launch->error_pcs = module_offset(read.pc) + " " + module_offset(pc);
 }
 
-void check_word(Word& word, bool write, const char* memory, size_t offset, uintptr_t pc) {
+void check_granule(Granule& granule, bool write, const char* memory, size_t offset, uintptr_t pc) {
   const Fiber& fiber = *launch->current;
   int me = fiber.block * launch->threads + fiber.thread;
   Access now{me, launch->grid_epoch, launch->block_epochs[fiber.block], pc};
-  if (!ordered(word.write, me)) {
+  if (!ordered(granule.write, me)) {
     // A read or write after an unordered write: "X wrote it and Y reads/writes it".
-    int first_block = word.write.thread / launch->threads;
+    int first_block = granule.write.thread / launch->threads;
     fail("kernel %s: data race on %s byte %zu: %s wrote it and %s %s it with no %s between them",
-         launch->kernel.c_str(), memory, offset, thread_name(first_block, word.write.thread % launch->threads).c_str(),
+         launch->kernel.c_str(), memory, offset, thread_name(first_block, granule.write.thread % launch->threads).c_str(),
          thread_name(fiber.block, fiber.thread).c_str(), write ? "writes" : "reads",
          first_block == fiber.block ? "__syncthreads" : "grid barrier");
-    launch->error_pcs = module_offset(word.write.pc) + " " + module_offset(pc);
+    launch->error_pcs = module_offset(granule.write.pc) + " " + module_offset(pc);
     return;
   }
   if (write) {
-    for (const Access* reader : {&word.read, &word.other_read}) {
+    for (const Access* reader : {&granule.read, &granule.other_read}) {
       if (!ordered(*reader, me)) {
         write_after_read(memory, offset, *reader, fiber, pc);
         return;
       }
     }
-    word.write = now;
-    word.read = word.other_read = Access{};
+    granule.write = now;
+    granule.read = granule.other_read = Access{};
     return;
   }
-  if (word.read.thread != me) word.other_read = word.read;
-  word.read = now;
+  if (granule.read.thread != me) granule.other_read = granule.read;
+  granule.read = now;
 }
 
 void switch_to_scheduler();
@@ -228,9 +228,9 @@ void on_access(void* address, size_t bytes, bool write, void* return_address) {
   if (at >= stack && at < stack + STACK_BYTES) return;  // the thread's registers and locals
   uintptr_t tls = reinterpret_cast<uintptr_t>(launch->tls);
   if (at >= tls && at < tls + launch->tls_bytes) {
-    std::vector<Word>& words = launch->shared_words[fiber.block];
-    for (uintptr_t word = (at - tls) / GRANULE; word <= (at + bytes - 1 - tls) / GRANULE; ++word) {
-      check_word(words[word], write, "shared memory", word * GRANULE, pc);
+    std::vector<Granule>& granules = launch->shared_granules[fiber.block];
+    for (uintptr_t g = (at - tls) / GRANULE; g <= (at + bytes - 1 - tls) / GRANULE; ++g) {
+      check_granule(granules[g], write, "shared memory", g * GRANULE, pc);
     }
   } else {
     auto region = std::upper_bound(launch->regions.begin(), launch->regions.end(), at,
@@ -244,8 +244,8 @@ void on_access(void* address, size_t bytes, bool write, void* return_address) {
            thread_name(fiber.block, fiber.thread).c_str(), write ? "writes" : "reads", bytes, address);
       launch->error_pcs = module_offset(pc);
     } else {
-      for (uintptr_t word = (at - region->begin) / GRANULE; word <= (at + bytes - 1 - region->begin) / GRANULE; ++word) {
-        check_word(region->words[word], write, region->name.c_str(), word * GRANULE, pc);
+      for (uintptr_t g = (at - region->begin) / GRANULE; g <= (at + bytes - 1 - region->begin) / GRANULE; ++g) {
+        check_granule(region->granules[g], write, region->name.c_str(), g * GRANULE, pc);
       }
     }
   }
@@ -529,7 +529,7 @@ int souffle_emulate(void (*entry)(void**), void** args, const char* kernel, int 
   for (int i = 0; i < count; ++i) {
     size_t end = all_names.find('\n');
     Region region{regions[2 * i], regions[2 * i] + regions[2 * i + 1], all_names.substr(0, end), {}};
-    region.words.resize((regions[2 * i + 1] + GRANULE - 1) / GRANULE);
+    region.granules.resize((regions[2 * i + 1] + GRANULE - 1) / GRANULE);
     all_names = end == std::string::npos ? "" : all_names.substr(end + 1);
     state.regions.push_back(std::move(region));
   }
@@ -539,7 +539,7 @@ int souffle_emulate(void (*entry)(void**), void** args, const char* kernel, int 
   dl_iterate_phdr(find_tls, &found);
   if (state.tls == nullptr && state.tls_bytes > 0) fail("kernel %s: the emulator cannot find its shared memory", kernel);
   state.shared_copies.assign(grid, std::vector<char>(state.tls_bytes, static_cast<char>(0xff)));
-  state.shared_words.assign(grid, std::vector<Word>((state.tls_bytes + GRANULE - 1) / GRANULE));
+  state.shared_granules.assign(grid, std::vector<Granule>((state.tls_bytes + GRANULE - 1) / GRANULE));
   if (state.tls != nullptr) std::memset(state.tls, 0xff, state.tls_bytes);
   state.block_epochs.assign(grid, 0);
   state.fibers.resize(static_cast<size_t>(grid) * state.threads);
