@@ -399,9 +399,45 @@ def count_points(s: isl.Set) -> int:
     if product.reset_tuple_id().is_equal(s.reset_tuple_id()):
         total = 1
         for f in factors:
-            total *= f.count_val().to_python()
+            total *= _count(f)
         return total
-    return s.count_val().to_python()
+    return _count(s)
+
+
+class CountGaveUp(Exception):
+    """isl stopped counting a set (its operations bound, ``count_points_at_most``)."""
+
+
+def _count(s: isl.Set) -> int:
+    text = s.count_val().to_str()
+    if text is None or text == "NaN":  # isl past its operations bound: NaN, or no value at all
+        raise CountGaveUp("isl gave up counting a set")
+    return int(text)
+
+
+COUNT_OPERATIONS = 200_000  # isl's work on one count (a few seconds), past which a bound is taken
+
+
+def count_points_at_most(s: isl.Set, operations: int = COUNT_OPERATIONS) -> tuple[int, bool]:
+    """(``count_points(s)``, True), or where isl does not count ``s`` within ``operations``
+    operations, (the points of its bounding box, False): an upper bound. isl's general counting
+    ran for many minutes on paper Swin's read relations at float16."""
+    ctx = isl.DEFAULT_CONTEXT
+    ctx.reset_operations()
+    ctx.set_max_operations(operations)
+    try:
+        return count_points(s), True
+    except CountGaveUp:
+        pass
+    except isl.Error as error:
+        if "maximal number of operations exceeded" not in str(error):
+            raise
+    finally:
+        ctx.set_max_operations(0)
+    total = 1
+    for d in range(s.dim(isl.dim_type.set)):
+        total *= s.dim_max_val(d).to_python() - s.dim_min_val(d).to_python() + 1
+    return total, False
 
 
 def representative_point(s: isl.Set) -> isl.Set:

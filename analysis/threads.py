@@ -58,6 +58,10 @@ BLOCK = "bx"
 LANE = "tx"
 WARP_INDEX = "ty"
 THREAD_TAGS = {"threadIdx.x": LANE, "threadIdx.y": WARP_INDEX}
+FRAGMENT = 16  # the side of a wmma tile (m16n16k16)
+# wmma's operations: every lane of the warp must run each of them together
+WARP_COLLECTIVE = ("tirx.tvm_fill_fragment", "tirx.tvm_load_matrix_sync", "tirx.tvm_store_matrix_sync",
+                   "tirx.tvm_mma_sync")
 
 
 def lower_for_device(funcs: dict, target: tvm.target.Target, config: dict) -> tvm.IRModule:
@@ -584,6 +588,8 @@ class Walker:
         else:
             if free & {LANE, WARP_INDEX, "data"} or any(n.startswith("?") for n in free):
                 child.uniform_block = child.uniform_grid = False
+            if free & {LANE, "data"} or any(n.startswith("?") for n in free):
+                child.uniform_warp = False
             if free & {BLOCK} or any(n.startswith("T") for n in free):
                 child.uniform_grid = False
             self.conv.env[s.loop_var] = Form.atom(name)
@@ -638,6 +644,7 @@ class Walker:
             n.startswith("?") for n in free)
         uniform_grid = ctx.uniform_grid and uniform_block and not (free & {BLOCK}) and not any(
             n.startswith("T") for n in free)
+        uniform_warp = ctx.uniform_warp and not (free & {LANE, "data"}) and not any(n.startswith("?") for n in free)
         self.reads(s.condition, ctx, s)
         try:
             cond = self.conv.condition(s.condition)
@@ -649,7 +656,7 @@ class Walker:
                 continue
             domain = ctx.domain if cond is None else ctx.domain + [cond if k == 0 else f"(not {cond})"]
             self.stmt(case, ctx.child(path=ctx.path + (("i", bid, k),), domain=domain,
-                                      uniform_block=uniform_block, uniform_grid=uniform_grid,
+                                      uniform_block=uniform_block, uniform_grid=uniform_grid, uniform_warp=uniform_warp,
                                       approximate=ctx.approximate or approximate))
         return False, False
 
@@ -672,8 +679,57 @@ class Walker:
                         f"deadlock: a __syncthreads {self.where(ctx)} under a condition or loop that depends on the "
                         f"thread or data: not every thread of the block reaches it")
                 return False, True
+            if op in WARP_COLLECTIVE and not ctx.uniform_warp:
+                self.kernel.errors.append(
+                    f"deadlock: {op.removeprefix('tirx.')} {self.where(ctx)} under a condition or loop that depends on "
+                    f"the lane or data: wmma needs every lane of the warp")
+            if op in ("tirx.tvm_load_matrix_sync", "tirx.tvm_store_matrix_sync"):
+                self.fragment_tile(call, op == "tirx.tvm_store_matrix_sync", ctx, s)
+                return False, False
         self.reads(call, ctx, s)
         return False, False
+
+    def fragment_tile(self, call: tvm.ir.Call, write: bool, ctx: Context, stmt):
+        """wmma's load or store of a 16 x 16 tile (``tvm_load_matrix_sync(fragment, 16, 16, 16,
+        index, address_of(buffer[offset]), stride, layout)``), a warp-collective access of
+        ``offset + major * stride + minor``: a load reads the whole tile in every lane (the
+        fragment is spread over the warp in an unspecified layout, so each lane's load depends on
+        all of it); a store writes each element once, lane l the 8 from element 8 l of the tile in
+        memory order, as the emulator's ``mma.h`` does. The fragments themselves are registers."""
+        shape = [a.value if isinstance(a, tirx.IntImm) else None for a in call.args[1:4]]
+        if shape != [FRAGMENT, FRAGMENT, FRAGMENT]:
+            self.kernel.errors.append(f"wmma: a fragment of shape {shape}; the validator models m16n16k16 only")
+            return
+        pointer, stride = call.args[5], call.args[6]
+        if not (isinstance(pointer, tvm.ir.Call) and pointer.op.name == "tirx.address_of"):
+            self.kernel.errors.append(f"wmma: a tile at {pointer}, not the address of a buffer element")
+            return
+        load = pointer.args[0]
+        self.reads(load.indices[0], ctx, stmt)
+        memory = self.memory(load.source)
+        major, minor = f"f{next(self.ids)}", f"f{next(self.ids)}"
+        for v in (major, minor):
+            self.kernel.bounds[v] = (0, FRAGMENT - 1)
+        domain = ctx.domain + [f"0 <= {major}{{s}} < {FRAGMENT}", f"0 <= {minor}{{s}} < {FRAGMENT}"]
+        share = FRAGMENT * FRAGMENT // WARP
+        if write:
+            domain.append(f"{share} * {LANE}{{s}} <= {FRAGMENT} * {major}{{s}} + {minor}{{s}} < "
+                          f"{share} * {LANE}{{s}} + {share}")
+        variables = ctx.variables + [major, minor]
+        self.conv.assumed = []
+        try:
+            if not isinstance(stride, tirx.IntImm):
+                raise NonAffine(f"a tile stride {stride}")
+            index = self.conv.form(load.indices[0]) + Form.atom(major).scale(stride.value) + Form.atom(minor)
+            index.render()
+            self.check_divisions(self.conv.assumed, variables, domain)
+        except NonAffine as why:
+            self.kernel.notes.append(f"{load.source.name}: wmma tile at {load.indices[0]} not affine ({why}): any element")
+            index = None
+        finally:
+            self.conv.assumed = None
+        self.kernel.accesses.append(Access(stmt, load.source.name, memory, write, index, memory.elem_bytes, variables,
+                                           domain, ctx.path, ctx.block, ctx.stage, ctx.approximate))
 
     def where(self, ctx: Context) -> str:
         return "outside any stage" if ctx.stage is None else f"in stage {ctx.stage}"
@@ -773,6 +829,7 @@ class Context:
     uniform_grid: bool
     approximate: bool
     in_tile: bool
+    uniform_warp: bool = True  # every lane of a warp runs this (no condition on the lane or on data)
 
     def child(self, **changes) -> Context:
         fields_ = dict(self.__dict__)

@@ -26,8 +26,8 @@ from tvm import tirx
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.threads import lower_for_device
 from codegen.staged import Loop, StagedProgram, loops_in, stages_in
-from codegen.stitch import align, seq
-from codegen.schedule import POOL_ALIGN, WARP, pooled_shared
+from codegen.stitch import BufferRef, align, seq
+from codegen.schedule import POOL_ALIGN_BYTES, WARP, pool_align, pooled_shared
 from codegen.tiled import on_chip_loads, parameters_used, slot_views, tiled_stage
 from souffle.errors import TargetError
 from souffle.passes import Outcome
@@ -110,13 +110,61 @@ def dynamic_shared_layout(staged: StagedProgram, items: list) -> dict[str, tuple
             pool[dtype] = max(pool.get(dtype, 0), n)
     layout = {}
     for dtype in dict.fromkeys([*on_chip, *pool]):
-        start = align(on_chip.get(dtype, 0), POOL_ALIGN)
+        start = align(on_chip.get(dtype, 0), pool_align(dtype))
         layout[dtype] = (start + pool.get(dtype, 0) if dtype in pool else on_chip[dtype], start)
     return layout
 
 
+def dynamic_shared_regions(staged: StagedProgram, items: list) -> dict[str, tuple[int, int, int]]:
+    """Per dtype, where its region of the kernel's one dynamic shared allocation starts (bytes,
+    on ``POOL_ALIGN_BYTES``), its elements, and where the stages' pool starts in it
+    (``dynamic_shared_layout``): the regions one after the other."""
+    regions, end = {}, 0
+    for dtype, (n, start) in dynamic_shared_layout(staged, items).items():
+        regions[dtype] = (end, n, start)
+        end = align(end + n * np.dtype(dtype).itemsize, POOL_ALIGN_BYTES)
+    return regions
+
+
+def _cleared_words(staged: StagedProgram, items: list) -> tuple[int, list[tuple[int, int]]]:
+    """The dynamic shared allocation's size in 4-byte words, and the ranges of words zeroed when
+    the kernel starts (``_cleared``): every stage pool. The on-chip weights are not: other threads
+    load them, unsynchronized with the zeroing. Where there is no pool, one spare word at the end
+    is zeroed instead, for TVM's ``StorageRewrite``, which refuses an allocation that no statement
+    loads or stores directly."""
+    words, cleared = 0, []
+    for dtype, (offset, n, start) in dynamic_shared_regions(staged, items).items():
+        itemsize = np.dtype(dtype).itemsize
+        words = align(offset + n * itemsize, POOL_ALIGN_BYTES) // 4
+        if n > start:
+            cleared.append(((offset + start * itemsize) // 4, -(-(offset + n * itemsize) // 4)))
+    if words and not cleared:
+        cleared, words = [(words, words + 1)], words + 1
+    return words, cleared
+
+
 def dynamic_shared_bytes(staged: StagedProgram, items: list) -> int:
-    return sum(n * np.dtype(dtype).itemsize for dtype, (n, _) in dynamic_shared_layout(staged, items).items())
+    return 4 * _cleared_words(staged, items)[0]
+
+
+def _dynamic_shared(staged: StagedProgram, items: list) -> tuple[list[tirx.Stmt], dict[str, tirx.Buffer]]:
+    """The kernel's dynamic shared memory: ONE allocation, and each dtype's region a view into
+    it. With one allocation per dtype, TVM's ``MergeSharedMemoryAllocations`` placed a float32
+    and a float16 region at the same bytes: it takes an allocation to be live only where it is
+    accessed directly, and the stages reach their regions through views. The allocation is
+    float32 so that zeroing the pools (``_cleared``) takes a store per 4 bytes."""
+    words, cleared = _cleared_words(staged, items)
+    if not words:
+        return [], {}
+    regions = dynamic_shared_regions(staged, items)
+    allocation = tirx.decl_buffer((words,), "float32", name="on_chip", scope="shared.dyn")
+    memory = {dtype: tirx.decl_buffer((n,), dtype, name=f"on_chip_{dtype}", scope="shared.dyn")
+              for dtype, (_, n, _) in regions.items()}
+    stmts = [tirx.AllocBuffer(allocation)]
+    stmts += [_cleared(allocation, first, last, staged.threads) for first, last in cleared]
+    stmts += [tirx.DeclBuffer(memory[dtype], data=BufferRef(allocation, offset // 4, None).pointer())
+              for dtype, (offset, _, _) in regions.items()]
+    return stmts, memory
 
 
 def persistent_kernel(staged: StagedProgram, items: list | None = None, counters: tuple = (),
@@ -127,13 +175,8 @@ def persistent_kernel(staged: StagedProgram, items: list | None = None, counters
     grid = tirx.Var(GRID_PARAM, "int32")
     whole = items is None
     items = staged.items if whole else items
-    layout = dynamic_shared_layout(staged, items)
-    memory = {dtype: tirx.decl_buffer((n,), dtype, name=f"on_chip_{dtype}", scope="shared.dyn")
-              for dtype, (n, _) in layout.items()}
-    pools = {dtype: (memory[dtype], start) for dtype, (_, start) in layout.items()}
-    allocations = [tirx.AllocBuffer(buffer) for buffer in memory.values()]
-    cleared = [_cleared(memory[dtype], start, n, staged.threads) for dtype, (n, start) in layout.items() if n > start]
-    allocations += cleared
+    allocations, memory = _dynamic_shared(staged, items)
+    pools = {dtype: (memory[dtype], start) for dtype, (_, _, start) in dynamic_shared_regions(staged, items).items()}
     views = slot_views(staged, None if whole else items)
     body = seq(allocations + views + _statements(items, block, grid, staged.threads, memory, pools))
     binding = tirx.IterVar(tvm.ir.Range(0, grid), block, tirx.IterVar.ThreadIndex, "blockIdx.x")

@@ -21,8 +21,8 @@ Per stage, from its template, tiles and epilogue:
   tile's footprint), and the stage's DRAM bytes (``codegen.traffic``).
 
 A stage scheduled by dlight's matmul rule is read off the rule's configuration instead
-(``_matmul_work``). No template issues tensor-core instructions today, so ``tensor_core`` is
-False for every stage.
+(``_matmul_work``), one on tensor cores off its tile (``_tensor_core_work``), the only
+template whose ``tensor_core`` is True.
 Each stage's kernel gives its grid and co-resident blocks: from ptxas where the caller has them
 (``occupancies``, one per kernel in launch order), else estimated like ``codegen.partition``
 does before ptxas runs (``stage_registers``).
@@ -45,6 +45,8 @@ from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimat
 from codegen.partition import stage_registers
 from codegen.schedule import MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL_VTHREADS, WARP
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
+from codegen.tensor_core import FRAGMENT
+from codegen.tensor_core import VECTOR as TENSOR_CORE_VECTOR
 from codegen.traffic import StageTraffic, compulsory_bytes, memory_traffic, stage_traffic
 
 # Steps of a register-accumulated reduction whose loads one thread has in flight at once: nvcc 13
@@ -205,6 +207,8 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, tr
     threads, template = schedule.threads, schedule.template
     if template == "matmul":
         return _matmul_work(stage, executions, grid, blocks_per_sm, traffic)
+    if template == "tensor_core":
+        return _tensor_core_work(stage, executions, grid, blocks_per_sm, traffic)
     warps = threads // WARP
     tile = schedule.n_tiles // 2
     holders = {p.op: k for k, p in enumerate(stage.placeholders)}
@@ -333,6 +337,51 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, t
         l2_read_bytes=(rows + cols) * chunks * MATMUL_K_CHUNK * itemsize,
         dram_bytes=min(read_bytes, (rows + cols) * chunks * MATMUL_K_CHUNK * itemsize * schedule.n_tiles)
         + traffic.bytes_written, block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
+
+
+def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int,
+                      traffic: StageTraffic) -> StageWork:
+    """One execution of a stage on tensor cores (``codegen.tensor_core``), from its tile: per
+    chunk of ``depth`` terms every thread copies its share of both operands' slices (``rows +
+    columns`` rows) from global to shared memory, ``VECTOR`` halves per instruction; the block
+    synchronizes; for each 16 terms each warp loads its ``fragments_i + fragments_j`` 16 x 16
+    fragments from shared memory (512 bytes each) and issues its ``mma_sync``s; the block
+    synchronizes again. At the end each warp stores its accumulators to shared memory (1 KB per
+    fragment), the block synchronizes, and the tile is read back and stored to global memory
+    ``VECTOR`` elements per instruction, the epilogue computed on the way."""
+    schedule = stage.schedule
+    reduction = _reduction(stage)
+    tile = schedule.tensor_core_tile
+    warps = schedule.threads // WARP
+    rows, cols = tile.rows, tile.columns
+    terms = _reduction_length(reduction)
+    chunks = -(-terms // tile.depth)
+    steps = chunks * tile.k_fragments
+    half, out = 2, np.dtype(str(stage.tensor.dtype)).itemsize
+    copies = (rows + cols) * chunks * tile.depth // (WARP * TENSOR_CORE_VECTOR)
+    copy_sectors = WARP * TENSOR_CORE_VECTOR * half // SECTOR_BYTES
+    fragment_sectors = FRAGMENT * FRAGMENT * half // SECTOR_BYTES
+    accumulator_sectors = FRAGMENT * FRAGMENT * 4 // SECTOR_BYTES
+    stores = rows * cols // (WARP * TENSOR_CORE_VECTOR)
+    accesses = (MemoryAccess("operand slices", "load", "global", copies, copy_sectors),
+                MemoryAccess("operand slices", "store", "shared", copies, copy_sectors),
+                MemoryAccess("fragments", "load", "shared", warps * steps * (tile.fragments_i + tile.fragments_j),
+                             fragment_sectors),
+                MemoryAccess("accumulators", "store", "shared", warps * tile.fragments_i * tile.fragments_j,
+                             accumulator_sectors),
+                MemoryAccess("accumulators", "load", "shared", stores, WARP * TENSOR_CORE_VECTOR * 4 // SECTOR_BYTES),
+                MemoryAccess(stage.tensor.op.name, "store", "global", stores,
+                             max(1, WARP * TENSOR_CORE_VECTOR * out // SECTOR_BYTES)))
+    flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
+    read_bytes = sum(read for _, read in traffic.reads)
+    slices = (rows + cols) * chunks * tile.depth * half
+    return StageWork(
+        name=stage.name, template="tensor_core", dtype="float16", executions=executions,
+        n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
+        blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=True, gemm=True, memory_steps=chunks + 1,
+        on_chip_steps=steps + 2, block_barriers=2 * chunks + 2, accesses=accesses, l2_read_bytes=slices,
+        dram_bytes=min(read_bytes, slices * schedule.n_tiles) + traffic.bytes_written,
+        block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
 
 
 # -- one warp's accesses, evaluated at a representative warp --------------------------------------

@@ -62,6 +62,10 @@ from souffle.passes import Outcome
 # matmul (dlight's rule, 16 accumulators per thread): 64 on sm_90 for two 128-row dense stages
 # (tests/test_matmul_stage.py's kernel), no spills.
 REGISTER_ESTIMATES = {"elementwise": 32, "thread_reduce": 32, "warp_reduce": 64, "matmul": 64}
+# tensor_core (wmma fragments): each thread holds its share of the block tile's float32
+# accumulators (rows x columns / threads registers) on top of a base for its operand fragments and
+# addresses, TENSOR_CORE_BASE_REGISTERS, fitted to ptxas on sm_90 (tests/test_tensor_core.py).
+TENSOR_CORE_BASE_REGISTERS = 60
 
 # The fraction of an SM's thread slots at which a stage is taken to reach the device's throughput.
 # An assumption, not a measurement: a streaming stage needs enough warps in flight to cover DRAM
@@ -104,9 +108,12 @@ class Partition:
 def stage_registers(stage: Stage) -> int:
     """Registers per thread ``stage`` is estimated to need (``REGISTER_ESTIMATES``)."""
     template = stage.schedule.template
+    if template == "tensor_core":
+        tile = stage.schedule.tensor_core_tile
+        return TENSOR_CORE_BASE_REGISTERS + tile.rows * tile.columns // stage.schedule.threads
     if template not in REGISTER_ESTIMATES:
         raise ValueError(f"stage {stage.name}: no register estimate for template {template!r} "
-                         f"(known: {', '.join(REGISTER_ESTIMATES)})")
+                         f"(known: {', '.join(REGISTER_ESTIMATES)}, tensor_core)")
     return REGISTER_ESTIMATES[template]
 
 

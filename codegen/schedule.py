@@ -24,6 +24,13 @@ Templates, chosen from the block's iterators (never from an op's name):
   matmul rule instead (``matmul_stage``): both operands staged through shared memory, a
   register tile per thread. Its tiles are boxes of the output, not runs; the schedule carries
   them as an isl relation (``StageSchedule.tile_relation``).
+- ``tensor_core`` (GPU only): a GEMM-shaped stage of float16 operands accumulating in float32,
+  in whole tiles, is scheduled by dlight's tensor-core rule in the kernel's block shape
+  (``tensor_core_stages``, ``codegen.tensor_core``): wmma fragments fed from shared-memory
+  slices, one candidate per tile size; folded and carried like ``matmul``.
+
+Where a stage has several candidates, ``codegen.stage`` takes the one the latency model
+estimates fastest.
 
 A stage may carry an *epilogue*: the one element-wise consumer of its reduction, computed in
 the same tile so the reduction's result never goes to global memory (``epilogue_mode``):
@@ -52,6 +59,7 @@ from tvm.s_tir import dlight
 
 from analysis.dependence import IslWriter, NotAffine
 from codegen.stitch import align
+from codegen.tensor_core import TILES, TensorCoreTile, tensor_core_schedule
 from souffle.errors import SouffleError
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
@@ -88,6 +96,7 @@ class StageSchedule:
     # writes (``{ [t] -> [a0, ..., an] : ... }``), read off the scheduled function
     tile_relation: str = ""
     box: tuple[int, ...] = ()  # ``matmul`` only: the largest extent of a tile along each output dimension
+    tensor_core_tile: TensorCoreTile | None = None  # ``tensor_core`` only: its warps and fragments
 
     def __str__(self):
         shared = f", {self.shared_bytes} B shared" if self.shared_bytes else ""
@@ -208,25 +217,22 @@ def schedule_te(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, thr
                 epilogue_mode: str | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
     """``schedule_stage`` for one TE over ``placeholders`` (a stage isolated from its program);
     an epilogue stage's tiles are counted in the epilogue's output, which the stage writes.
-    The first of ``schedule_candidates``: dlight's matmul where it applies."""
-    return _matmul_candidate(tensor, placeholders, gpu, threads, epilogue_mode) or \
-        _own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)
+    The first of ``schedule_candidates``."""
+    return schedule_candidates(tensor, placeholders, gpu, threads, epilogue_mode)[0]
 
 
 def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int = THREADS,
                         epilogue_mode: str | None = None) -> list[tuple[tirx.PrimFunc, StageSchedule]]:
-    """The schedules a stage may take: dlight's ``matmul`` first where it applies (a GEMM-shaped
-    GPU stage), then this module's own template, which every stage has (``codegen.stage``
-    picks one by the latency model)."""
-    matmul = _matmul_candidate(tensor, placeholders, gpu, threads, epilogue_mode)
-    return ([matmul] if matmul else []) + [_own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)]
-
-
-def _matmul_candidate(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int,
-                      epilogue_mode: str | None) -> tuple[tirx.PrimFunc, StageSchedule] | None:
-    if not gpu or epilogue_mode == "shared":
-        return None
-    return matmul_stage(te.create_prim_func(placeholders + [tensor]), threads)
+    """The schedules a stage may take, in order of preference on a tie: where it is a GEMM-shaped
+    GPU stage, tensor cores (float16 operands, one candidate per tile) and dlight's SIMT matmul;
+    then this module's own template, which every stage has (``codegen.stage`` picks one by the
+    latency model)."""
+    gemms = []
+    if gpu and epilogue_mode != "shared":
+        func = te.create_prim_func(placeholders + [tensor])
+        matmul = matmul_stage(func, threads)
+        gemms = tensor_core_stages(func, threads) + ([matmul] if matmul else [])
+    return gemms + [_own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)]
 
 
 def _own_schedule(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int,
@@ -417,25 +423,47 @@ def matmul_stage(func: tirx.PrimFunc, threads: int = THREADS) -> tuple[tirx.Prim
     outputs = _product(int(d) for d in func.params[-1].shape)
     if outputs < MATMUL_MIN_OUTPUTS or _reads_conditionally(func):
         return None
-    # dlight's tensor-core form of the rule (float16 operands) has its own block shape, 16 warps,
-    # where the persistent kernel has one for every stage: the rule's SIMT form until a
-    # kernel-shaped tensor-core form exists.
+    # The rule's SIMT form: its tensor-core form (float16 operands) binds its own block shape, 16
+    # warps, where the persistent kernel has one for every stage; ``tensor_core_stages`` is that
+    # form in the kernel's shape.
     func = func.with_attr("dlight.do_not_tensorize", True)
     scheduled = _KernelShapedMatmul(threads).apply(func, tvm.target.Target(_CUDA), False)
-    if scheduled is None:
-        return None
-    nest = _block_index_nest(scheduled.mod["main"])
-    relation = _tile_relation(scheduled.mod["main"], nest)
+    return None if scheduled is None else _stitchable(scheduled, "matmul", threads)
+
+
+def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS) -> list[tuple[tirx.PrimFunc, StageSchedule]]:
+    """``func`` (a GEMM-shaped reduction of float16 operands into float32, with or without its
+    register epilogue) on tensor cores, one schedule per tile of ``codegen.tensor_core.TILES``
+    that fits it (``codegen.tensor_core``), folded and carried like ``matmul_stage``'s."""
+    if _product(int(d) for d in func.params[-1].shape) < MATMUL_MIN_OUTPUTS or _reads_conditionally(func):
+        return []
+    found = []
+    for tile in TILES:
+        scheduled = tensor_core_schedule(func, tile, threads)
+        stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads)
+        if stage is not None:
+            found.append((stage[0], dataclasses.replace(stage[1], tensor_core_tile=tile)))
+    return found
+
+
+def _stitchable(scheduled: s_tir.Schedule, template: str, threads: int) -> tuple[tirx.PrimFunc, StageSchedule] | None:
+    """A dlight schedule made a stage of the persistent kernel: compacted, its block indices
+    folded into one tile loop, its tiles read off as an isl relation; None where they cannot be
+    (an index isl cannot represent) or would be mostly idle."""
+    func = scheduled.mod["main"]
+    outputs = _product(int(d) for d in func.params[-1].shape)
+    nest = _block_index_nest(func)
+    relation = _tile_relation(func, nest)
     if relation is None:
         return None
     box = _tile_box(relation)
     n_tiles = _product(_constant(loop.extent) for loop in nest)
     if outputs < MATMUL_MIN_USE * n_tiles * _product(box):
         return None  # mostly idle threads (a GEMV's one row in tiles of 128)
-    compacted = _compacted(scheduled.mod["main"])
+    compacted = _compacted(func)
     folded = _fold_block_indices(compacted, _block_index_nest(compacted))
     shared = sum(n * tvm.runtime.DataType(dtype).bits // 8 for dtype, n in pooled_shared(folded).items())
-    schedule = StageSchedule("matmul", n_tiles, _product(box), threads, outputs, shared,
+    schedule = StageSchedule(template, n_tiles, _product(box), threads, outputs, shared,
                              tile_relation=relation.to_str(), box=box)
     return folded, schedule
 
@@ -603,18 +631,23 @@ def _tile_box(relation: isl.Map) -> tuple[int, ...]:
     return tuple(box)
 
 
-POOL_ALIGN = 4  # elements: a pooled buffer starts on 16 bytes of float32, for its vector accesses
+POOL_ALIGN_BYTES = 32  # a pooled buffer starts on 32 bytes: wmma's load and store need 256-bit aligned pointers
+
+
+def pool_align(dtype: str) -> int:
+    """Elements of ``dtype`` in ``POOL_ALIGN_BYTES``."""
+    return POOL_ALIGN_BYTES * 8 // tvm.runtime.DataType(dtype).bits
 
 
 def pool_offsets(func: tirx.PrimFunc) -> list[tuple[tirx.Buffer, int]]:
     """Each shared buffer that ``func``'s inner blocks allocate, and the element where it starts
     in the kernel's pool of its dtype (``codegen.tiled.pool_shared``): one after the other, each
-    on ``POOL_ALIGN``."""
+    on ``POOL_ALIGN_BYTES``."""
     ends: dict[str, int] = {}
     placed = []
     for buffer in _inner_shared(func.body):
         dtype = str(buffer.dtype)
-        offset = align(ends.get(dtype, 0), POOL_ALIGN)
+        offset = align(ends.get(dtype, 0), pool_align(dtype))
         ends[dtype] = offset + buffer_elements(buffer)
         placed.append((buffer, offset))
     return placed

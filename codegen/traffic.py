@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from analysis.dependence import count_points
+from analysis.dependence import count_points_at_most
 from codegen.staged import Loop, OnChip, Stage, StagedProgram
 
 
@@ -134,8 +134,9 @@ def stage_traffic(stage: Stage, loops: tuple[str, ...] = (), executions: int = 1
             reads.append((ref.spec.name, 0))  # from shared memory; its load is counted once
             continue
         relation, exact_read = stage.read_relation(holder)
-        reads.append((ref.spec.name, count_points(relation.range()) * _itemsize(holder.dtype)))
-        exact = exact and exact_read
+        elements, counted = count_points_at_most(relation.range())
+        reads.append((ref.spec.name, elements * _itemsize(holder.dtype)))
+        exact = exact and exact_read and counted
     written = math.prod(int(d) for d in stage.tensor.shape) * _itemsize(stage.tensor.dtype)
     return StageTraffic(stage.name, loops, executions, tuple(reads), written, exact)
 

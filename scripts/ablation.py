@@ -18,12 +18,17 @@ Per model and level, all levels compiled from the same graph and run on the same
   GPU ms column beside the estimate (empty until measured), so the model can be corrected
   (``--device`` should then name the GPU that runs it).
 
+``--precision fp16`` compiles every level in float16 (float32 accumulation, ``souffle.precision``)
+and checks against PyTorch under autocast.
+
     python scripts/ablation.py [MODEL...] [--config tiny|paper] [--levels 0,1,2,3,4] [--repeat N]
-                               [--no-run] [--cuda] [--gpu] [--device h100|h200|a100] [--name NAME]
+                               [--no-run] [--cuda] [--gpu] [--device h100|h200|a100]
+                               [--precision fp32|fp16] [--name NAME]
 
 CPU latencies rank the levels by the work they do, not by what a GPU would take: on the CPU a
 kernel launch and a grid barrier cost nothing. The results go to
-``benchmarks/results/<NAME>.{json,md}`` (``ablation_<config>`` by default).
+``benchmarks/results/<NAME>.{json,md}`` (``ablation_<config>`` by default, with ``_<precision>``
+for another precision than fp32).
 """
 
 from __future__ import annotations
@@ -47,10 +52,12 @@ from codegen.traffic import memory_traffic
 from codegen.pipelines import OPT_LEVELS
 from souffle import models
 from souffle.compiler import run_passes
+from souffle.precision import PRECISIONS
 
 PACKAGES = ("apache-tvm", "apache-tvm-ffi", "islpy", "numpy", "torch", "cuda-bindings")
 ARCHS = ("sm_80", "sm_90")
-COLUMNS = [("model", "model"), ("level", "level"), ("kernels", "kernels"), ("launches", "launches"),
+COLUMNS = [("model", "model"), ("precision", "precision"), ("level", "level"), ("kernels", "kernels"),
+           ("launches", "launches"),
            ("barriers_executed", "grid barriers"), ("read_mb", "read MB"), ("write_mb", "written MB"),
            ("cpu_ms", "CPU ms"), ("max_abs_error", "max abs error"), ("cuda", "CUDA"), ("roofline_ms", "roofline ms"),
            ("estimate_ms", "estimate ms"), ("gpu_ms", "GPU ms")]
@@ -59,11 +66,12 @@ GPUS = [name for name in DEVICES if get_device(name).kind == "gpu"]
 
 def measure(name: str, config: str, level: int, graph, inputs, expected, args) -> dict:
     start = time.perf_counter()
-    model = souffle.compile(graph, target="llvm-persistent", opt_level=level)
+    model = souffle.compile(graph, target="llvm-persistent", opt_level=level, precision=args.precision)
     compile_s = time.perf_counter() - start
     staged = model.plan
     traffic = memory_traffic(staged)
-    row = {"model": name, "config": config, "level": f"O{level}", "kernels": staged.kernel_count(),
+    row = {"model": name, "config": config, "precision": args.precision, "level": f"O{level}",
+           "kernels": staged.kernel_count(),
            "launches": staged.kernel_count(executed=True), "barriers_executed": staged.barrier_count(executed=True),
            "stages_executed": staged.stage_count(executed=True), "read_bytes": traffic.read_bytes,
            "write_bytes": traffic.write_bytes, "compulsory_bytes": traffic.compulsory_bytes,
@@ -72,17 +80,17 @@ def measure(name: str, config: str, level: int, graph, inputs, expected, args) -
     if not args.no_run:
         outputs = model.run(inputs)
         row["max_abs_error"] = max(float(np.max(np.abs(o - e))) for o, e in zip(outputs, expected))
-        rtol, atol = models.tolerance(name, config)
+        rtol, atol = models.tolerance(name, config, args.precision)
         row["matches_pytorch"] = all(np.allclose(o, e, rtol=rtol, atol=atol) for o, e in zip(outputs, expected))
         samples = model.benchmark(inputs, repeat=args.repeat)
         row["cpu_ms"] = statistics.median(samples) * 1e3
     if args.cuda or args.gpu:
-        model = souffle.compile(graph, target="cuda", opt_level=level, device=args.device)
+        model = souffle.compile(graph, target="cuda", opt_level=level, device=args.device, precision=args.precision)
         row.update(cuda_build(model, inputs, args.gpu, args.repeat))
         estimate = model.latency
     else:
         estimate = latency_estimate(run_passes(graph, "cuda", stop="plan_arena", device=args.device,
-                                               opt_level=level).ir, get_device(args.device))
+                                               opt_level=level, precision=args.precision).ir, get_device(args.device))
     row.update(latency_columns(estimate))
     return row
 
@@ -163,7 +171,10 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", action="store_true", help="also time the cuda build on this machine's GPU")
     p.add_argument("--device", default="h100", choices=GPUS,
                    help="GPU device model of the latency estimate and the cuda build (default h100)")
-    p.add_argument("--name", help="results file name in benchmarks/results (default ablation_<config>)")
+    p.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS),
+                   help="compute precision (fp16: float16 with float32 accumulation, checked against autocast)")
+    p.add_argument("--name", help="results file name in benchmarks/results (default ablation_<config>, "
+                                  "ablation_<config>_<precision> for another precision than fp32)")
     args = p.parse_args(argv)
     names = args.models or list(models.MODELS)
     unknown = [n for n in names if n not in models.MODELS]
@@ -173,7 +184,7 @@ def main(argv=None) -> int:
     for name in names:
         graph = models.build(name, args.config)
         inputs = models.make_inputs(name, args.config)
-        expected = None if args.no_run else models.reference(name, args.config, graph.weights)(inputs)
+        expected = None if args.no_run else models.reference(name, args.config, graph.weights, args.precision)(inputs)
         for level in args.levels:
             rows.append(measure(name, args.config, level, graph, inputs, expected, args))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
@@ -181,7 +192,8 @@ def main(argv=None) -> int:
               "evaluator); GPU: CUDA events" if not args.no_run else "not run (--no-run)")
     timing += (f"; estimate: the static latency model (analysis.latency) of the cuda program on the {args.device} "
                "model, not a measurement")
-    common.publish(args.name or f"ablation_{args.config}", rows, table(rows), PACKAGES, timing)
+    default_name = f"ablation_{args.config}" + ("" if args.precision == "fp32" else f"_{args.precision}")
+    common.publish(args.name or default_name, rows, table(rows), PACKAGES, timing)
     failed = [f"{r['model']} {r['level']}" for r in rows if r.get("matches_pytorch") is False]
     if failed:
         print(f"does not match PyTorch: {', '.join(failed)}", file=sys.stderr)

@@ -159,7 +159,7 @@ def mentions(e, var) -> bool:
 
 def is_barrier(s, op: str) -> bool:
     return isinstance(s, tirx.Evaluate) and isinstance(s.value, tvm.ir.Call) and s.value.op.name == op and (
-        op != "tirx.tvm_storage_sync" or s.value.args[0].value == "shared")
+        op != "tirx.tvm_storage_sync" or s.value.args[0].value in ("shared", "shared.dyn"))
 
 
 def thread_vars(func) -> dict:

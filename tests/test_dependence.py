@@ -15,6 +15,7 @@ from analysis.dependence import (
     access_relations,
     classify,
     count_points,
+    count_points_at_most,
     dependences,
     element_dependences,
     iteration_domain,
@@ -273,6 +274,13 @@ def test_iteration_domain_spans_spatial_and_reduction_axes():
 ])
 def test_count_points(text, points):
     assert count_points(isl.Set(text)) == points
+
+
+def test_a_count_isl_gives_up_on_is_its_bounding_box_and_says_so():
+    triangle = isl.Set("{ A[i, j] : 0 <= i < 4 and 0 <= j <= i }")
+    assert count_points_at_most(triangle) == (10, True)
+    assert count_points_at_most(triangle, operations=1) == (16, False)  # 4 x 4, an upper bound
+    assert count_points(triangle) == 10  # the bound is lifted afterwards
 
 
 def test_program_edges_name_tensors_and_roles():

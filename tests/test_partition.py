@@ -8,11 +8,13 @@ import pytest
 from analysis.device import A100, H200
 from codegen.partition import (
     REGISTER_ESTIMATES,
+    TENSOR_CORE_BASE_REGISTERS,
     partition,
     saturating_grid,
     stage_registers,
     time_at_grid,
 )
+from codegen.tensor_core import TensorCoreTile
 from souffle import models
 from souffle.compiler import staged_program
 from souffle.errors import TargetError
@@ -70,8 +72,12 @@ def test_register_estimates_per_template():
     assert templates == {"elementwise": 32, "warp_reduce": 64, "thread_reduce": 32}
     assert REGISTER_ESTIMATES == dict(templates, matmul=64)  # tiny BERT's GEMMs are too small for dlight's rule
     stage = staged.stages()[0]
-    stage.schedule = dataclasses.replace(stage.schedule, template="tensor_core")
-    with pytest.raises(ValueError, match="no register estimate for template 'tensor_core'"):
+    # tensor cores: a base plus each thread's share of the tile's float32 accumulators
+    stage.schedule = dataclasses.replace(stage.schedule, template="tensor_core", threads=256,
+                                         tensor_core_tile=TensorCoreTile(2, 4, 2, 2))  # 64 x 128
+    assert stage_registers(stage) == TENSOR_CORE_BASE_REGISTERS + 32
+    stage.schedule = dataclasses.replace(stage.schedule, template="wgmma")
+    with pytest.raises(ValueError, match="no register estimate for template 'wgmma'"):
         stage_registers(stage)
 
 

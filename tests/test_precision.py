@@ -134,10 +134,13 @@ def test_tiny_models_run_the_fp16_cuda_kernel_race_free_and_match_pytorch(name):
 
 
 @pytest.mark.slow
-def test_paper_bert_at_fp16_is_one_validated_kernel_without_spills():
+def test_paper_bert_at_fp16_runs_its_gemms_on_tensor_cores_in_one_validated_kernel_without_spills():
+    """Issue 16's acceptance: QKV, Q.K^T, P.V, attention output, FFN1 and FFN2 on tensor cores
+    (wmma fragments fed from shared-memory slices), one kernel, validated, no spills."""
     model = souffle.compile(models.build("bert", config="paper"), target="cuda", precision="fp16")
     assert model.kernel_count == 1
-    assert "half" in model.source
+    assert sum(s.schedule.template == "tensor_core" for s in model.kernel_plan.staged.stages()) == 6
+    assert "nvcuda::wmma::mma_sync" in model.source and "extern __shared__" in model.source
     assert model.resources.spill_bytes == 0
 
 

@@ -119,7 +119,7 @@ def test_ablation_writes_every_level_with_its_counts(tmp_path, monkeypatch):
         ("O0", 58, 58, True), ("O2", 15, 15, True), ("O4", 1, 1, True)]
     moved = [r["read_bytes"] + r["write_bytes"] for r in rows]
     assert moved == sorted(moved, reverse=True) and moved[-1] < moved[0]
-    assert "| mmoe | O4 | 1 | 1 |" in (tmp_path / "ablation_test.md").read_text()
+    assert "| mmoe | fp32 | O4 | 1 | 1 |" in (tmp_path / "ablation_test.md").read_text()
     # the latency model's estimate beside the roofline bound, on the h100 model by default; O0 pays 58 launches
     assert all(r["estimate_device"] == "h100" and r["estimate_ms"] > r["roofline_ms"] > 0 for r in rows)
     assert rows[0]["estimate_launches_ms"] == pytest.approx(58 * 3e-3) and rows[-1]["estimate_ms"] < rows[0]["estimate_ms"]
@@ -137,3 +137,14 @@ def test_ablation_estimates_on_another_device_without_running(tmp_path, monkeypa
     (row,) = json.loads((tmp_path / "ablation_a100.json").read_text())["results"]
     assert row["estimate_device"] == "a100" and "cpu_ms" not in row and "gpu_ms" not in row
     assert row["estimate"]["latency model"].startswith("a100: ")
+
+
+def test_ablation_at_fp16_checks_against_autocast_and_names_its_results_so(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    ablation = importlib.import_module("ablation")
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    assert ablation.main(["mmoe", "--levels", "4", "--repeat", "1", "--precision", "fp16"]) == 0
+    (row,) = json.loads((tmp_path / "ablation_tiny_fp16.json").read_text())["results"]
+    assert (row["precision"], row["level"], row["matches_pytorch"]) == ("fp16", "O4", True)

@@ -108,6 +108,15 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline int2 make_int2(int x, int y) { return {x, y}; }
 inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+// TVM's vectorized comparisons and selects of halves hold their masks in these.
+struct __attribute__((aligned(4))) ushort2 { unsigned short x, y; };
+struct __attribute__((aligned(8))) ushort4 { unsigned short x, y, z, w; };
+struct __attribute__((aligned(4))) short2 { short x, y; };
+struct __attribute__((aligned(8))) short4 { short x, y, z, w; };
+struct __attribute__((aligned(2))) uchar2 { unsigned char x, y; };
+struct __attribute__((aligned(4))) uchar4 { unsigned char x, y, z, w; };
+struct __attribute__((aligned(8))) uint2 { unsigned x, y; };
+struct __attribute__((aligned(16))) uint4 { unsigned x, y, z, w; };
 
 // CUDA's max and min of floats are fmaxf and fminf, which return the other operand for a NaN.
 inline float max(float a, float b) { return fmaxf(a, b); }

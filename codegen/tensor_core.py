@@ -1,0 +1,202 @@
+"""TVM's dlight tensor-core matmul rule (``dlight.gpu.MatmulTensorization``) in the shape of the
+persistent kernel: float16 operands, float32 accumulators in wmma fragments.
+
+dlight's rule binds its own block, 16 warps of 4 x 2 fragments each (128 x 128 tiles), and
+software-pipeline annotations; the persistent kernel has one block shape for every stage
+(``codegen.schedule.THREADS``). This is the same schedule, step for step, with the warps and
+fragments a ``TensorCoreTile`` says, for ``threads / 32`` warps:
+
+- both operands are staged through shared memory one chunk of ``k_fragments`` x 16 terms at a
+  time (rows padded by 8 halves, as dlight pads them, so that a fragment's rows fall on
+  different banks), copied with 4-element vector loads by all the block's threads;
+- each warp loads 16 x 16 fragments of both slices and accumulates ``fragments_i x fragments_j``
+  16 x 16 x 16 products with ``mma_sync`` (TVM's wmma intrinsics, ``tensor_intrin.cuda``);
+- the accumulators go through shared memory (a tile of float32, rows not padded: dlight's
+  padding of it does not survive its ``reverse_compute_at``) to the output, where the stage's
+  epilogue (the rounding to float16, a bias, an activation) is computed on the way out.
+
+Left out: dlight's software pipeline (double-buffered slices with asynchronous copies), which the
+thread-level validator and the emulator do not model yet. A stage whose sizes are not whole
+tiles is not scheduled here (dlight pads it, reading its operands under a condition with vector
+loads, which the SIMT rule refuses for the same reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import get_root_block
+from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline_producers, get_index_map,
+                                         get_reduction_blocks)
+
+FRAGMENT = 16  # wmma's m16n16k16 shape for float16
+WARP = 32
+VECTOR = 4  # elements per global -> shared copy, and per accumulator store
+SLICE_PAD = 8  # halves added to each operand slice's rows (dlight's storage_align)
+
+
+@dataclass(frozen=True)
+class TensorCoreTile:
+    """A block tile: ``warps_i x warps_j`` warps, each ``fragments_i x fragments_j`` 16 x 16
+    accumulators; the reduction staged ``k_fragments`` x 16 terms at a time."""
+
+    warps_i: int
+    warps_j: int
+    fragments_i: int
+    fragments_j: int
+    k_fragments: int = 4
+
+    @property
+    def rows(self) -> int:
+        return FRAGMENT * self.warps_i * self.fragments_i
+
+    @property
+    def columns(self) -> int:
+        return FRAGMENT * self.warps_j * self.fragments_j
+
+    @property
+    def depth(self) -> int:
+        return FRAGMENT * self.k_fragments
+
+    @property
+    def warps(self) -> int:
+        return self.warps_i * self.warps_j
+
+    def __str__(self):
+        return f"{self.rows}x{self.columns}x{self.depth} ({self.warps_i}x{self.warps_j} warps of " \
+               f"{self.fragments_i}x{self.fragments_j} fragments)"
+
+
+# The tiles a stage may take on 8 warps (the latency model picks one per stage): 128 x 128 reuses
+# each slice most, 64 x 64 gives a small GEMM (paper BERT's 384 x 768) enough tiles for the SMs.
+TILES = (TensorCoreTile(2, 4, 4, 2), TensorCoreTile(2, 4, 2, 2), TensorCoreTile(2, 4, 2, 1))
+
+
+def gemm_extents(sch: s_tir.Schedule, block) -> tuple[int, int, int, int] | None:
+    """(batch, rows, columns, reduction) of the normalized ``C[S, I, J] += A[S, I, K] * B[S, J, K]``
+    block, or None where an extent is not constant."""
+    extents = [iv.dom.extent for iv in sch.get(block).iter_vars]
+    if len(extents) != 4 or not all(isinstance(e, tirx.IntImm) for e in extents):
+        return None
+    return tuple(int(e.value) for e in extents)
+
+
+def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int) -> s_tir.Schedule | None:
+    """``func`` (one GEMM-shaped reduction of float16 operands into float32, with or without
+    its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of ``threads``
+    threads, or None where it does not fit: other dtypes, not GEMM-shaped, sizes not whole tiles,
+    or a tile of other than ``threads / 32`` warps. Its tiles are bound to ``blockIdx.z`` (the
+    batch) and ``blockIdx.x``, as dlight binds them."""
+    if tile.warps * WARP != threads:
+        return None
+    sch = s_tir.Schedule(func)
+    reductions = get_reduction_blocks(sch, sch.get_child_blocks(get_root_block(sch)))
+    if reductions is None or len(reductions) != 1:
+        return None
+    main = reductions[0]
+    stmt = sch.get(main)
+    if [str(r.source.dtype) for r in stmt.reads] != ["float16", "float16"] or \
+            [str(w.source.dtype) for w in stmt.writes] != ["float32"]:
+        return None
+    try:
+        reindex_a = sch.reindex(main, ("read", 0))
+        reindex_b = sch.reindex(main, ("read", 1))
+        reindex_c = sch.reindex(main, ("write", 0))
+        maps = get_index_map(sch.get(main))
+    except s_tir.ScheduleError:
+        return None
+    if maps is None:
+        return None
+    block_map, a_map, b_map, c_map = maps
+    sch.transform_layout(reindex_a, ("write", 0), a_map)
+    sch.transform_layout(reindex_b, ("write", 0), b_map)
+    sch.transform_layout(reindex_c, ("read", 0), c_map)
+    sch.transform_block_layout(main, block_map)
+    extents = gemm_extents(sch, main)
+    if extents is None:
+        return None
+    _, rows, columns, depth = extents
+    if rows % tile.rows or columns % tile.columns or depth % tile.depth:
+        return None
+    # imported here, where a float16 GEMM needs it: the module registers every CUDA tensor
+    # intrinsic TVM has when it is imported, which takes about 18 s on this project's machine
+    from tvm.s_tir.tensor_intrin.cuda import get_wmma_intrin_group
+
+    batch, i, j, k = sch.get_loops(main)
+    i, i_inner = sch.split(i, [None, FRAGMENT])
+    j, j_inner = sch.split(j, [None, FRAGMENT])
+    k, k_inner = sch.split(k, [None, FRAGMENT])
+    sch.reorder(i, j, k, i_inner, j_inner, k_inner)
+    fragment_product = main
+    outer = sch.blockize(i_inner)
+    i_tile, i_warp, i_fragment = sch.split(i, [None, tile.warps_i, tile.fragments_i])
+    j_tile, j_warp, j_fragment = sch.split(j, [None, tile.warps_j, tile.fragments_j])
+    k_chunk, k_fragment = sch.split(k, [None, tile.k_fragments])
+    sch.reorder(i_tile, j_tile, j_warp, i_warp, k_chunk, k_fragment, i_fragment, j_fragment)
+    block_tile = sch.fuse(i_tile, j_tile)
+    warp = sch.fuse(j_warp, i_warp)
+    sch.bind(batch, "blockIdx.z")
+    sch.bind(block_tile, "blockIdx.x")
+    sch.bind(warp, "threadIdx.y")
+
+    def stage_in_shared(index: int):
+        copy = sch.cache_read(outer, index, "shared.dyn")
+        sch.compute_at(copy, k_chunk)
+        fused = sch.fuse(*sch.get_loops(copy)[-2:])
+        _, copy_warp, lane, vector = sch.split(fused, [None, tile.warps, WARP, VECTOR])
+        sch.bind(lane, "threadIdx.x")
+        sch.bind(copy_warp, "threadIdx.y")
+        sch.vectorize(vector)
+        sch.storage_align(copy, 0, axis=-2, factor=FRAGMENT, offset=SLICE_PAD)
+        return copy
+
+    a_shared, b_shared = stage_in_shared(0), stage_in_shared(1)
+    auto_inline_producers(sch, a_shared)
+    auto_inline_producers(sch, b_shared)
+    a_fragment = sch.cache_read(outer, 0, "wmma.matrix_a")
+    b_fragment = sch.cache_read(outer, 1, "wmma.matrix_b")
+    sch.compute_at(a_fragment, k_fragment)
+    sch.compute_at(b_fragment, k_fragment)
+    c_shared = sch.cache_write(outer, 0, "shared.dyn")
+    c_fragment = sch.cache_write(outer, 0, "wmma.accumulator")
+    sch.reverse_compute_at(c_fragment, warp)
+    sch.reverse_compute_at(c_shared, warp)
+    fragments_init = sch.decompose_reduction(outer, k_chunk)
+    init = sch.get_child_blocks(fragments_init)[0]
+
+    intrinsics = get_wmma_intrin_group(load_scope="shared.dyn", store_scope="shared.dyn", in_dtype="float16",
+                                       out_dtype="float32", trans_b=True)
+
+    def in_fragments(block):
+        """The block's last two loops split into 16 x 16 fragments, the loops over fragments
+        unrolled; the first inner loop."""
+        i, j = sch.get_loops(block)[-2:]
+        i_outer, i_inner = sch.split(i, [None, FRAGMENT])
+        j_outer, j_inner = sch.split(j, [None, FRAGMENT])
+        sch.reorder(i_outer, j_outer, i_inner, j_inner)
+        unrolled(i_outer, j_outer)
+        return i_inner
+
+    def unrolled(*loops):
+        """Unrolled, so that nvcc indexes the fragment arrays by constants and keeps them in
+        registers (with a loop index, ptxas put paper ResNeXt's in local memory)."""
+        for loop in loops:
+            sch.unroll(loop)
+
+    try:
+        sch.tensorize(in_fragments(a_fragment), intrinsics["load_a"])
+        sch.tensorize(in_fragments(b_fragment), intrinsics["load_b"])
+        sch.tensorize(in_fragments(c_fragment), intrinsics["store"])
+        unrolled(*sch.get_loops(fragments_init)[-2:])
+        sch.tensorize(sch.get_loops(init)[-2], intrinsics["init"])
+        unrolled(i_fragment, j_fragment)
+        sch.tensorize(sch.get_loops(fragment_product)[-3], intrinsics["compute"])
+    except RuntimeError:  # a ScheduleError, or a check inside TVM (tvm.error.InternalError)
+        return None
+    auto_inline_consumer_chain(sch, c_shared)
+    fused = sch.fuse(*sch.get_loops(c_shared)[-2:])
+    _, lane, vector = sch.split(fused, [None, WARP, VECTOR])
+    sch.bind(lane, "threadIdx.x")
+    sch.vectorize(vector)
+    return sch

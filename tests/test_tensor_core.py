@@ -1,0 +1,176 @@
+"""GEMM-shaped float16 stages on tensor cores (codegen/tensor_core.py): dlight's tensor-core matmul
+rule in the persistent kernel's block shape, wmma fragments fed from shared-memory slices. Checked
+against the expected tiles, by the thread-level validator (which models wmma's warp-collective
+loads and stores) with mutants, on emulated CUDA threads (the emulator's mma.h) against PyTorch,
+and on paper BERT's kernel (issue 16's acceptance)."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sys
+from pathlib import Path
+
+import islpy as isl
+import numpy as np
+import pytest
+import tvm
+from tvm import te, tirx, topi
+
+import souffle
+from analysis.threads import WARP_COLLECTIVE
+from analysis.device import H100
+from codegen.latency import latency_estimate
+from codegen.schedule import matmul_stage, tensor_core_stages
+from codegen.tensor_core import TILES
+from souffle import models
+from souffle.compiler import run_passes
+from souffle.graph import GraphBuilder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+mutants = importlib.import_module("scripts.validate_mutants")
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
+
+# BERT with GEMMs large enough for tensor-core tiles (its tiny configuration's are not)
+BERT_GEMMS = {"seq": 128, "hidden": 64, "heads": 2, "ffn": 128, "max_positions": 128}
+
+
+@pytest.fixture
+def tensor_cores_wherever_they_apply(monkeypatch):
+    """Pin the choice to tensor cores (the first tile that fits) on GEMMs small enough to emulate,
+    where the latency model would pick another template (``codegen.stage``)."""
+    monkeypatch.setattr("codegen.stage.stage_seconds", lambda stage, device, traffic: stage.schedule.template != "tensor_core")
+
+
+def _dense(m: int, n: int, k: int, dtype: str = "float16"):
+    """A dense of float16 operands accumulating in float32, rounded to float16 on the way out
+    (what the precision pass makes of one)."""
+    a, w = te.placeholder((m, k), dtype, name="A"), te.placeholder((n, k), dtype, name="W")
+    if dtype == "float32":
+        return te.create_prim_func([a, w, topi.nn.dense(a, w)])
+    product = topi.nn.dense(a, w, out_dtype="float32")
+    return te.create_prim_func([a, w, te.compute(product.shape, lambda i, j: product[i, j].astype(dtype), name="C")])
+
+
+def test_a_dense_gets_one_candidate_per_tile_that_fits_it():
+    stages = tensor_core_stages(_dense(256, 256, 128))
+    assert [s.box for _, s in stages] == [(128, 128), (64, 128), (64, 64)]
+    assert [s.tensor_core_tile for _, s in stages] == list(TILES)
+    for func, schedule in stages:
+        assert schedule.template == "tensor_core" and schedule.threads == 256
+        assert schedule.n_tiles == 256 * 256 // (schedule.box[0] * schedule.box[1])
+        tiles = isl.Map(schedule.tile_relation)
+        assert tiles.range().is_equal(isl.Set("{ [i, j] : 0 <= i < 256 and 0 <= j < 256 }"))
+        assert tiles.reverse().is_single_valued()  # no element in two tiles
+        text = func.script()
+        for intrinsic in ("tvm_fill_fragment", "tvm_load_matrix_sync", "tvm_mma_sync", "tvm_store_matrix_sync"):
+            assert f"T.{intrinsic}(" in text, intrinsic  # TVM's wmma intrinsics, tensorized
+        assert text.count("blockIdx") == 1 and "wmma.accumulator" in text
+    _, small = stages[-1]
+    # the 64 x 64 tile: its float32 accumulators (staged through shared memory to the output), and
+    # both operands' 64 x 64 slices, rows padded to 72 halves, the second on 32 bytes (wmma's alignment)
+    assert small.shared_bytes == 64 * 64 * 4 + (64 * 72 + 63 * 72 + 64) * 2
+
+
+def test_tensor_cores_are_not_used_where_they_do_not_fit():
+    assert tensor_core_stages(_dense(256, 256, 128, "float32")) == []  # float32 operands: the SIMT rule
+    assert tensor_core_stages(_dense(256, 256, 100)) == []  # the reduction is no whole chunk of 64
+    assert [s.box for _, s in tensor_core_stages(_dense(192, 192, 64))] == [(64, 64)]  # whole 64 x 64 tiles only
+    assert tensor_core_stages(_dense(16, 64, 64)) == []  # fewer outputs than one SIMT tile
+    assert matmul_stage(_dense(256, 256, 128)).__class__ is tuple  # the SIMT form stays a candidate
+
+
+def _relu_dense(m: int, n: int, k: int):
+    rng = np.random.default_rng(0)
+    builder = GraphBuilder("tc")
+    x = builder.input("x", (m, k))
+    w = builder.param("w", (rng.standard_normal((n, k)) * 0.1).astype(np.float32))
+    graph = builder.build(builder.op("relu", builder.op("dense", x, w)))
+    inputs = {"x": rng.standard_normal((m, k)).astype(np.float32)}
+    rounded = [inputs["x"].astype(np.float16).astype(np.float32), graph.weights["w"].astype(np.float16).astype(np.float32)]
+    return graph, inputs, np.maximum(rounded[0] @ rounded[1].T, 0)
+
+
+def _kernel(graph) -> mutants.Kernel:
+    plan = run_passes(graph, "cuda", stop="kernel_plan", opt_level=4, precision="fp16").ir
+    assert "tensor_core" in [s.schedule.template for s in plan.staged.stages()]
+    (kernel,) = [mutants.Kernel("tensor cores", name, func, {}, 1, plan.staged.threads)
+                 for name, func in mutants.device_functions(mutants.device_module(plan.funcs, "sm_90")).items()]
+    return kernel
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_the_validator_reads_wmma_tiles_and_catches_a_missing_syncthreads():
+    """The validator accepts the tensor-core kernel and refuses it without the __syncthreads that
+    order the slices' copies before the fragments' loads, the loads before the next chunk's
+    copies, and the accumulators' stores (wmma, lane by lane) before the block reads them back.
+    The one before the accumulators' store guards nothing here: TVM puts it there because it
+    pools the slices and the accumulators in the same bytes, where the kernel gives the float32
+    accumulators their own region; dropped, no thread touches a byte another did unordered."""
+    graph, _, _ = _relu_dense(128, 128, 128)
+    kernel = _kernel(graph)
+    assert mutants.validate(kernel).violations == ()
+    dropped = mutants.sites(kernel)["drop_syncthreads"]
+    assert len(dropped) == 4
+    caught = {what: bool(mutants.validate(kernel, make()).violations) for what, make in dropped}
+    assert sorted(caught.values()) == [False, True, True, True], caught
+    violations = mutants.validate(kernel, dropped[-1][1]()).violations
+    assert any("T_matmul_NT_reindex_shared.dyn" in v for v in violations), violations  # the accumulators read back
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_a_tensor_core_stage_with_half_its_warps_is_caught():
+    kernel = _kernel(_relu_dense(128, 128, 128)[0])
+    faults = [(what, make) for what, make in mutants.sites(kernel)["fewer_threads"] if what.startswith("stage 1")]
+    assert faults
+    for what, make in faults:
+        assert any("is never written" in v for v in mutants.validate(kernel, make()).violations), what
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_a_wmma_operation_on_half_a_warp_is_caught():
+    """wmma needs all 32 lanes: each of its operations under ``if threadIdx.x < 16`` is refused."""
+    kernel = _kernel(_relu_dense(128, 128, 128)[0])
+    lane = mutants.thread_vars(kernel.func)["threadIdx.x"]
+    collective = [s for s in mutants.statements(kernel.func.body) if isinstance(s, tirx.Evaluate)
+                  and isinstance(s.value, tvm.ir.Call) and s.value.op.name in WARP_COLLECTIVE]
+    assert {s.value.op.name for s in collective} == set(WARP_COLLECTIVE)
+    for s in collective:
+        violations = mutants.validate(kernel, mutants.replace_one(kernel.func, s, tirx.IfThenElse(lane < 16, s, None)))
+        assert any("wmma needs every lane of the warp" in v for v in violations.violations), s.value.op.name
+
+
+@needs_gxx
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+@pytest.mark.parametrize("m, n, k", [(128, 128, 128), (64, 256, 128), (256, 192, 128)])  # each tile first
+def test_tensor_core_stages_match_numpy_on_emulated_threads(m, n, k):
+    graph, inputs, expected = _relu_dense(m, n, k)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+    assert "nvcuda::wmma::mma_sync" in model.source
+    for order in ("ascending", "descending"):
+        (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
+        np.testing.assert_allclose(output, expected, rtol=1e-2, atol=1e-2, err_msg=order)
+
+
+@needs_gxx
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_bert_on_tensor_cores_matches_pytorch_at_fp16_on_emulated_threads():
+    graph = models.build("bert", BERT_GEMMS, seed=0)
+    inputs = models.make_inputs("bert", BERT_GEMMS, seed=0)
+    expected = models.reference("bert", BERT_GEMMS, graph.weights, "fp16")(inputs)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+    # QKV, attention output, FFN1 and FFN2; Q.K^T and P.V reduce or produce 32 per head, under one tile
+    assert sum(s.schedule.template == "tensor_core" for s in model.kernel_plan.staged.stages()) == 4
+    rtol, atol = models.tolerance("bert", "tiny", "fp16")
+    for order in ("ascending", "descending"):
+        for output, reference in zip(model.schedule(order, model.emulator.sms + 1, seed=5).run(inputs), expected):
+            np.testing.assert_allclose(output, reference, rtol=rtol, atol=atol, err_msg=order)
+
+
+def test_the_latency_model_counts_tensor_core_stages_at_the_tensor_core_peak():
+    staged = run_passes(models.build("bert", BERT_GEMMS), "cuda", stop="plan_arena", precision="fp16").ir
+    estimate = latency_estimate(staged, H100)
+    on_tensor_cores = [s for s in estimate.stages if s.work.template == "tensor_core"]
+    assert on_tensor_cores and all(s.work.tensor_core and s.work.dtype == "float16" for s in on_tensor_cores)
+    assert all(0 < s.fraction_of_peak <= 1 for s in on_tensor_cores)
