@@ -39,7 +39,9 @@ from analysis.dependence import (
     classify,
     constant,
     is_call_to,
+    isl_gave_up,
     isl_name,
+    isl_operations_at_most,
 )
 from souffle.errors import SouffleError
 
@@ -56,17 +58,13 @@ ISL_OPERATIONS = 2_000_000  # isl's work on one chain (about 30 s), past which i
 @contextmanager
 def _bounded_isl(what: str):
     """isl gives up on ``what`` after ``ISL_OPERATIONS`` operations, as a NotComposable."""
-    ctx = isl.DEFAULT_CONTEXT
-    ctx.reset_operations()
-    ctx.set_max_operations(ISL_OPERATIONS)
     try:
-        yield
+        with isl_operations_at_most(ISL_OPERATIONS):
+            yield
     except isl.Error as error:
-        if "maximal number of operations exceeded" not in str(error):
+        if not isl_gave_up(error):
             raise
         raise NotComposable(f"{what}: isl gave up after {ISL_OPERATIONS:,} operations") from None
-    finally:
-        ctx.set_max_operations(0)
 
 
 # -- the composed map -------------------------------------------------------------------------

@@ -26,6 +26,7 @@ A TE is one-relies-on-one when all its inputs are.
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import islpy as isl
@@ -418,22 +419,36 @@ def _count(s: isl.Set) -> int:
 COUNT_OPERATIONS = 200_000  # isl's work on one count (a few seconds), past which a bound is taken
 
 
-def count_points_at_most(s: isl.Set, operations: int = COUNT_OPERATIONS) -> tuple[int, bool]:
-    """(``count_points(s)``, True), or where isl does not count ``s`` within ``operations``
-    operations, (the points of its bounding box, False): an upper bound. isl's general counting
-    ran for many minutes on paper Swin's read relations at float16."""
+@contextmanager
+def isl_operations_at_most(operations: int):
+    """isl's default context stops after ``operations`` operations inside the block (a call past
+    it raises, or returns no value); lifted afterwards."""
     ctx = isl.DEFAULT_CONTEXT
     ctx.reset_operations()
     ctx.set_max_operations(operations)
     try:
-        return count_points(s), True
+        yield
+    finally:
+        ctx.set_max_operations(0)
+
+
+def isl_gave_up(error: isl.Error) -> bool:
+    """Whether ``error`` is isl stopping at its operations bound (``isl_operations_at_most``)."""
+    return "maximal number of operations exceeded" in str(error)
+
+
+def count_points_at_most(s: isl.Set, operations: int = COUNT_OPERATIONS) -> tuple[int, bool]:
+    """(``count_points(s)``, True), or where isl does not count ``s`` within ``operations``
+    operations, (the points of its bounding box, False): an upper bound. isl's general counting
+    ran for many minutes on paper Swin's read relations at float16."""
+    try:
+        with isl_operations_at_most(operations):
+            return count_points(s), True
     except CountGaveUp:
         pass
     except isl.Error as error:
-        if "maximal number of operations exceeded" not in str(error):
+        if not isl_gave_up(error):
             raise
-    finally:
-        ctx.set_max_operations(0)
     total = 1
     for d in range(s.dim(isl.dim_type.set)):
         total *= s.dim_max_val(d).to_python() - s.dim_min_val(d).to_python() + 1

@@ -115,7 +115,7 @@ def dynamic_shared_layout(staged: StagedProgram, items: list) -> dict[str, tuple
     return layout
 
 
-def dynamic_shared_regions(staged: StagedProgram, items: list) -> dict[str, tuple[int, int, int]]:
+def _dynamic_shared_regions(staged: StagedProgram, items: list) -> dict[str, tuple[int, int, int]]:
     """Per dtype, where its region of the kernel's one dynamic shared allocation starts (bytes,
     on ``POOL_ALIGN_BYTES``), its elements, and where the stages' pool starts in it
     (``dynamic_shared_layout``): the regions one after the other."""
@@ -126,16 +126,16 @@ def dynamic_shared_regions(staged: StagedProgram, items: list) -> dict[str, tupl
     return regions
 
 
-def _cleared_words(staged: StagedProgram, items: list) -> tuple[int, list[tuple[int, int]]]:
+def _cleared_words(regions: dict[str, tuple[int, int, int]]) -> tuple[int, list[tuple[int, int]]]:
     """The dynamic shared allocation's size in 4-byte words, and the ranges of words zeroed when
     the kernel starts (``_cleared``): every stage pool. The on-chip weights are not: other threads
     load them, unsynchronized with the zeroing. Where there is no pool, one spare word at the end
     is zeroed instead, for TVM's ``StorageRewrite``, which refuses an allocation that no statement
     loads or stores directly."""
     words, cleared = 0, []
-    for dtype, (offset, n, start) in dynamic_shared_regions(staged, items).items():
+    for dtype, (offset, n, start) in regions.items():
         itemsize = np.dtype(dtype).itemsize
-        words = align(offset + n * itemsize, POOL_ALIGN_BYTES) // 4
+        words = align(offset + n * itemsize, POOL_ALIGN_BYTES) // 4  # the last region ends the allocation
         if n > start:
             cleared.append(((offset + start * itemsize) // 4, -(-(offset + n * itemsize) // 4)))
     if words and not cleared:
@@ -144,19 +144,20 @@ def _cleared_words(staged: StagedProgram, items: list) -> tuple[int, list[tuple[
 
 
 def dynamic_shared_bytes(staged: StagedProgram, items: list) -> int:
-    return 4 * _cleared_words(staged, items)[0]
+    return 4 * _cleared_words(_dynamic_shared_regions(staged, items))[0]
 
 
-def _dynamic_shared(staged: StagedProgram, items: list) -> tuple[list[tirx.Stmt], dict[str, tirx.Buffer]]:
+def _dynamic_shared(staged: StagedProgram, items: list) -> tuple[list[tirx.Stmt], dict[str, tuple[tirx.Buffer, int]]]:
     """The kernel's dynamic shared memory: ONE allocation, and each dtype's region a view into
-    it. With one allocation per dtype, TVM's ``MergeSharedMemoryAllocations`` placed a float32
+    it; returns its statements and, per dtype, (the region, where the stages' pool starts in it).
+    With one allocation per dtype, TVM's ``MergeSharedMemoryAllocations`` placed a float32
     and a float16 region at the same bytes: it takes an allocation to be live only where it is
     accessed directly, and the stages reach their regions through views. The allocation is
     float32 so that zeroing the pools (``_cleared``) takes a store per 4 bytes."""
-    words, cleared = _cleared_words(staged, items)
+    regions = _dynamic_shared_regions(staged, items)
+    words, cleared = _cleared_words(regions)
     if not words:
         return [], {}
-    regions = dynamic_shared_regions(staged, items)
     allocation = tirx.decl_buffer((words,), "float32", name="on_chip", scope="shared.dyn")
     memory = {dtype: tirx.decl_buffer((n,), dtype, name=f"on_chip_{dtype}", scope="shared.dyn")
               for dtype, (_, n, _) in regions.items()}
@@ -164,7 +165,7 @@ def _dynamic_shared(staged: StagedProgram, items: list) -> tuple[list[tirx.Stmt]
     stmts += [_cleared(allocation, first, last, staged.threads) for first, last in cleared]
     stmts += [tirx.DeclBuffer(memory[dtype], data=BufferRef(allocation, offset // 4, None).pointer())
               for dtype, (offset, _, _) in regions.items()]
-    return stmts, memory
+    return stmts, {dtype: (memory[dtype], start) for dtype, (_, _, start) in regions.items()}
 
 
 def persistent_kernel(staged: StagedProgram, items: list | None = None, counters: tuple = (),
@@ -175,8 +176,8 @@ def persistent_kernel(staged: StagedProgram, items: list | None = None, counters
     grid = tirx.Var(GRID_PARAM, "int32")
     whole = items is None
     items = staged.items if whole else items
-    allocations, memory = _dynamic_shared(staged, items)
-    pools = {dtype: (memory[dtype], start) for dtype, (_, _, start) in dynamic_shared_regions(staged, items).items()}
+    allocations, pools = _dynamic_shared(staged, items)
+    memory = {dtype: region for dtype, (region, _) in pools.items()}
     views = slot_views(staged, None if whole else items)
     body = seq(allocations + views + _statements(items, block, grid, staged.threads, memory, pools))
     binding = tirx.IterVar(tvm.ir.Range(0, grid), block, tirx.IterVar.ThreadIndex, "blockIdx.x")

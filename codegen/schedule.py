@@ -412,16 +412,14 @@ _CUDA = {"kind": "cuda", "arch": "sm_80"}  # the rule does not depend on the arc
 def matmul_stage(func: tirx.PrimFunc, threads: int = THREADS) -> tuple[tirx.PrimFunc, StageSchedule] | None:
     """``func`` (a GEMM-shaped reduction, with or without its register epilogue) scheduled by
     dlight's matmul rule for blocks of ``threads`` threads, or None where the rule does not
-    apply (not GEMM-shaped: a reduction of no product, over a computed index) or reads an operand
-    under a condition (a padded convolution: the rule copies its slices with vector loads, and a
-    vector select loads both sides, out of bounds where the padding is; the validator found it).
+    apply (not GEMM-shaped: a reduction of no product, over a computed index) or is not worth it
+    (``_gemm_rules_apply``).
 
     dlight binds its tiles to ``blockIdx.y`` and ``blockIdx.x``; they are folded into one
     ``blockIdx.x`` loop, the tile loop the persistent kernel replaces. Its tiles are boxes of the
     output, so the schedule carries each tile's elements as an isl relation read off the
     scheduled function, which the barrier analysis uses instead of runs."""
-    outputs = _product(int(d) for d in func.params[-1].shape)
-    if outputs < MATMUL_MIN_OUTPUTS or _reads_conditionally(func):
+    if not _gemm_rules_apply(func):
         return None
     # The rule's SIMT form: its tensor-core form (float16 operands) binds its own block shape, 16
     # warps, where the persistent kernel has one for every stage; ``tensor_core_stages`` is that
@@ -435,7 +433,7 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS) -> list[tupl
     """``func`` (a GEMM-shaped reduction of float16 operands into float32, with or without its
     register epilogue) on tensor cores, one schedule per tile of ``codegen.tensor_core.TILES``
     that fits it (``codegen.tensor_core``), folded and carried like ``matmul_stage``'s."""
-    if _product(int(d) for d in func.params[-1].shape) < MATMUL_MIN_OUTPUTS or _reads_conditionally(func):
+    if not _gemm_rules_apply(func):
         return []
     found = []
     for tile in TILES:
@@ -444,6 +442,14 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS) -> list[tupl
         if stage is not None:
             found.append((stage[0], dataclasses.replace(stage[1], tensor_core_tile=tile)))
     return found
+
+
+def _gemm_rules_apply(func: tirx.PrimFunc) -> bool:
+    """Whether ``func`` is worth dlight's GEMM rules (``matmul_stage``, ``tensor_core_stages``): at
+    least one tile of outputs, and no operand read under a condition (a padded convolution: the
+    rules copy their slices with vector loads, and a vector select loads both sides, out of
+    bounds where the padding is; the validator found it)."""
+    return _product(int(d) for d in func.params[-1].shape) >= MATMUL_MIN_OUTPUTS and not _reads_conditionally(func)
 
 
 def _stitchable(scheduled: s_tir.Schedule, template: str, threads: int) -> tuple[tirx.PrimFunc, StageSchedule] | None:

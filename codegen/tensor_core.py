@@ -179,8 +179,8 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         return i_inner
 
     def unrolled(*loops):
-        """Unrolled, so that nvcc indexes the fragment arrays by constants and keeps them in
-        registers (with a loop index, ptxas put paper ResNeXt's in local memory)."""
+        """Unrolled (dlight unrolls its fragment loads the same way), so that the CUDA source
+        indexes each array of fragments by constants, which nvcc can keep in registers."""
         for loop in loops:
             sch.unroll(loop)
 

@@ -78,7 +78,7 @@ def test_tensor_cores_are_not_used_where_they_do_not_fit():
     assert tensor_core_stages(_dense(256, 256, 100)) == []  # the reduction is no whole chunk of 64
     assert [s.box for _, s in tensor_core_stages(_dense(192, 192, 64))] == [(64, 64)]  # whole 64 x 64 tiles only
     assert tensor_core_stages(_dense(16, 64, 64)) == []  # fewer outputs than one SIMT tile
-    assert matmul_stage(_dense(256, 256, 128)).__class__ is tuple  # the SIMT form stays a candidate
+    assert matmul_stage(_dense(256, 256, 128)) is not None  # the SIMT form stays a candidate
 
 
 def _relu_dense(m: int, n: int, k: int):
