@@ -24,7 +24,17 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "gpus": gpus()}
+
+
+def gpus() -> list[str]:
+    """Each NVIDIA GPU's name and driver as nvidia-smi reports them; none where it is absent."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
 
 
 def versions(*packages: str) -> dict:
@@ -38,7 +48,8 @@ def versions(*packages: str) -> dict:
         found["souffle_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                  text=True, cwd=RESULTS.parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        found["souffle_commit"] = None
+        # a tree sent without .git (the GPU machine's copy) names its commit in SOUFFLE_COMMIT
+        found["souffle_commit"] = os.environ.get("SOUFFLE_COMMIT")
     return found
 
 

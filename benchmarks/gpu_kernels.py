@@ -1,114 +1,250 @@
-"""Latency and correctness of the persistent CUDA kernels on a GPU, in two steps.
+"""Correctness and latency of the persistent CUDA kernels on a GPU, in two steps.
 
 A lent GPU machine has no TVM (its wheel does not fit the transfer), so the kernels are built
-here and run there:
+here and run there (``scripts/gpu_run.sh`` does the whole GPU side):
 
-    python benchmarks/gpu_kernels.py export shared/gpu_kernels [--models ...] [--configs tiny paper] [--levels 0 4]
-    python benchmarks/gpu_kernels.py run shared/gpu_kernels [--repeat 100] [--warmup 10] [--ncu]   # on the GPU
+    python benchmarks/gpu_kernels.py export DIR [--models ...] [--configs tiny paper] [--levels 0 4] [--precisions fp32 fp16]
+    python benchmarks/gpu_kernels.py run DIR [--repeat 100] [--warmup 10] [--sanitize GLOB] [--ncu GLOB]   # on the GPU
 
-``export`` compiles each model for target cuda (at each ``--levels`` opt level, by default
-the compiler's, O4) and writes, per model, config and level, the kernel artifact (cubins for sm_80 and sm_90, the source, the call and the weight recipes), seeded
-inputs and the PyTorch outputs. ``run`` needs only numpy and cuda-python: it rebuilds the
-weights from their seeds, launches each kernel cooperatively, compares every output with
-PyTorch's, times ``repeat`` inferences with CUDA events after ``warmup`` and writes
-benchmarks/results/gpu_kernels.{json,md} with the device, versions and command. With ``--ncu``
-one more inference of each runs under Nsight Compute, which counts its kernel launches and
-measures its DRAM bytes read and written (caches flushed first).
+``export`` compiles each model for target cuda at each opt level (default the compiler's, O4)
+and precision, and writes one bundle per combination (``bert_paper_O4``, ``bert_paper_O4_fp16``):
+the kernel artifact (cubins for sm_80 and the device model's arch, the source, the call, the
+weight recipes), seeded inputs, PyTorch's outputs at that precision and ``static.json``.
+``run`` needs only numpy and cuda-python (torch where a model's seeded weights need it): each
+bundle runs in its own process (``check``: outputs and scratch poisoned with NaN, compared with
+PyTorch's, run twice for repeatability, ``repeat`` inferences timed with CUDA events after
+``warmup``), so a hang or a crash is one bundle's row. Then compute-sanitizer (racecheck,
+synccheck) and Nsight Compute (launches, DRAM bytes read and written, caches flushed) run one
+inference of the bundles their globs select. Results go to ``--results`` (default
+benchmarks/results) as gpu_kernels.{json,md}, rewritten after every row.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 
 from souffle import models
+from souffle.errors import TargetError
 from souffle.runtime.artifact import Launcher
 from souffle.runtime.check import Check
 
 
-def export_all(directory: Path, names: list[str], configs: list[str], levels: list[int] | None) -> None:
+def bundle_name(name: str, config: str, level: int | None, precision: str) -> str:
+    """``bert_tiny_O4`` (fp32), ``bert_paper_O4_fp16``; no level: the compiler's default."""
+    return (f"{name}_{config}" + ("" if level is None else f"_O{level}")
+            + ("" if precision == "fp32" else f"_{precision}"))
+
+
+def export_all(directory: Path, names: list[str], configs: list[str], levels: list[int] | None,
+               precisions: list[str]) -> None:
     from souffle.compiler import export_check  # the compiler: on the exporting machine only
 
     for config in configs:
         for name in names:
-            for level in levels or [None]:
-                target = directory / (f"{name}_{config}" + ("" if level is None else f"_O{level}"))
-                model = export_check(name, config, target, opt_level=level)
-                print(f"{target}: {model.kernel_count} kernels, {model.plan.stage_count()} stages, "
-                      f"{model.plan.barrier_count()} barriers")
+            for precision in precisions:
+                for level in levels or [None]:
+                    target = directory / bundle_name(name, config, level, precision)
+                    started = time.perf_counter()
+                    model = export_check(name, config, target, opt_level=level, precision=precision)
+                    print(f"{target}: {model.kernel_count} kernels, {model.plan.stage_count()} stages, "
+                          f"{model.plan.barrier_count()} barriers ({time.perf_counter() - started:.0f} s)", flush=True)
 
 
 NCU_METRICS = ["dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum"]
+SANITIZER_TOOLS = ("racecheck", "synccheck")
 
 
 def once(target: Path) -> None:
-    """Exactly one inference and nothing else on the GPU: the process ncu profiles."""
+    """Exactly one inference and nothing else on the GPU: the process ncu and compute-sanitizer watch."""
     check = Check.load(target)
-    Launcher(check.artifact).run(check.inputs)
+    Launcher(check.artifact).run(check.inputs, poison=True)
 
 
-def run(directory: Path, repeat: int, warmup: int, ncu: bool) -> None:
+def check_bundle(target: Path, repeat: int, warmup: int) -> dict:
+    """One bundle on this GPU: outputs (poisoned first) against PyTorch's, then ``repeat`` timed
+    inferences; the row ``run`` collects."""
     from souffle.runtime.cuda import Device
+
+    device = Device()
+    check = Check.load(target)
+    artifact = check.artifact
+    launcher = Launcher(artifact, device=device)
+    outputs = launcher.run(check.inputs, poison=True)
+    errors, ok = check.errors(outputs), check.passes(outputs)
+    unwritten = sum(int(np.isnan(output).sum()) for output in outputs if output.dtype.kind == "f")
+    times = [t * 1e3 for t in launcher.benchmark(check.inputs, repeat=repeat, warmup=warmup)]
+    again = launcher.run(check.inputs, poison=True)
+    return {"model": artifact.model, "config": artifact.config, "bundle": target.name,
+            "device": device.name, "arch": device.arch, "kernels": len(artifact.kernels),
+            "launches": sum(1 for _ in _launch_count(artifact.launches)),
+            "grid": launcher.grid, "blocks_per_sm": launcher.blocks_per_sm, "threads": artifact.threads,
+            "max_abs_error": max(errors), "unwritten": unwritten,
+            "repeatable": all(np.array_equal(a, b, equal_nan=True) for a, b in zip(outputs, again)),
+            "check": "PASS" if ok else "FAIL",
+            "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "runs": len(times)}
+
+
+def _launch_count(launches: list):
+    """One item per kernel launch of an inference, host loops unrolled."""
+    for launch in launches:
+        if "loop" in launch:
+            for _ in range(launch["trips"]):
+                yield from _launch_count(launch["body"])
+        else:
+            yield launch
+
+
+def _subprocess(command: list[str], timeout: float) -> tuple[int | None, str]:
+    """(exit code, or None when it ran past ``timeout`` seconds and was killed; its output)."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return None, out
+    except OSError as e:  # the program is not there (compute-sanitizer on a machine without it)
+        return 127, str(e)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    return " / ".join(text.strip().splitlines()[-lines:])
+
+
+def sanitize(target: Path, tool: str, timeout: float) -> dict:
+    """compute-sanitizer ``tool`` on one inference of the bundle: its hazard or error count."""
+    code, out = _subprocess(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3",
+                             sys.executable, __file__, "once", str(target)], timeout)
+    if code is None:
+        return {f"{tool}": f"timeout after {timeout:.0f} s"}
+    summary = re.findall(r"(?:ERROR|RACECHECK|SYNCCHECK) SUMMARY: (\d+) (?:error|hazard)", out)
+    counted = sum(int(n) for n in summary)
+    if code not in (0, 3) or not summary:
+        return {tool: f"did not run (exit {code}): {_tail(out)}"}
+    return {tool: counted, **({f"{tool}_log": _tail(out, 12)} if counted else {})}
+
+
+def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glob: str | None,
+        timeout: float, results: Path | None, budget_s: float) -> None:
+    """Every bundle in ``directory``, each in its own process (a hang or a crash is that bundle's
+    row, not the end of the run); then compute-sanitizer, then ncu, on the bundles their globs
+    select. Nothing starts after ``budget_s`` seconds; the rows say what was not run."""
     from souffle.runtime.ncu import profile_launches, require_ncu
 
-    ncu_path = require_ncu() if ncu else None
-    device = Device()
+    ncu_path = None
+    if ncu:
+        try:
+            ncu_path = require_ncu()
+        except TargetError as e:  # the checks and times still run; the rows say why ncu did not
+            print(e, flush=True)
+            ncu_missing = str(e)
+    deadline = time.monotonic() + budget_s
     rows = []
     for target in sorted(p for p in directory.iterdir() if (p / "manifest.json").exists()):
-        check = Check.load(target)
-        artifact = check.artifact
-        launcher = Launcher(artifact, device=device)
-        outputs = launcher.run(check.inputs)
-        errors, ok = check.errors(outputs), check.passes(outputs)
-        times = [t * 1e3 for t in launcher.benchmark(check.inputs, repeat=repeat, warmup=warmup)]
-        rows.append({"model": artifact.model, "config": artifact.config, "bundle": target.name,
-                     "device": device.name, "arch": device.arch, "kernels": len(artifact.kernels),
-                     "grid": launcher.grid, "blocks_per_sm": launcher.blocks_per_sm, "threads": artifact.threads,
-                     "max_abs_error": max(errors), "check": "PASS" if ok else "FAIL",
-                     "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "runs": len(times)})
-        if ncu_path is not None:
-            launches = profile_launches(ncu_path, [sys.executable, __file__, "once", str(target)], NCU_METRICS,
-                                        target.name)
-            rows[-1].update({"ncu_launches": len(launches),
-                             "dram_read_mb": sum(x["dram__bytes_read.sum"] for x in launches) / 1e6,
-                             "dram_write_mb": sum(x["dram__bytes_write.sum"] for x in launches) / 1e6,
-                             "ncu_gpu_time_ms": sum(x["gpu__time_duration.sum"] for x in launches) / 1e6})
-    header = ("| bundle | grid | check (max abs error) | median | min | max | runs | kernels (ncu) "
-              "| DRAM read MB (ncu) | DRAM write MB (ncu) |\n|---|---|---|---|---|---|---|---|---|---|\n")
-    table = header + "\n".join(
-        f"| {r['bundle']} | {r['grid']} ({r['blocks_per_sm']}/SM) | {r['check']} ({r['max_abs_error']:.2g}) "
-        f"| {r['median_ms']:.3f} ms | {r['min_ms']:.3f} ms | {r['max_ms']:.3f} ms | {r['runs']} "
-        f"| {r.get('ncu_launches', '-')} | {r.get('dram_read_mb', '-')} | {r.get('dram_write_mb', '-')} |" for r in rows)
-    common.publish("gpu_kernels", rows, f"Device: {device.name} ({device.arch}, {device.sms} SMs)\n\n{table}",
-                   ("numpy", "cuda-bindings"), f"CUDA events, {warmup} warm-up runs, median of {repeat}")
-    if any(r["check"] != "PASS" for r in rows):
-        sys.exit(1)
+        if time.monotonic() > deadline:
+            rows.append({"bundle": target.name, "check": "NOT RUN (time budget)"})
+            continue
+        code, out = _subprocess([sys.executable, __file__, "check", str(target), "--repeat", str(repeat),
+                                 "--warmup", str(warmup)], timeout)
+        if code == 0:  # the row is the last line that is JSON: torch may warn on stderr after it
+            row = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith('{"model"')))
+        else:
+            row = {"bundle": target.name,
+                   "check": "HANG (killed after %d s)" % timeout if code is None else f"ERROR (exit {code})",
+                   "error": _tail(out)}
+        row["path"] = str(target)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)  # kept if the run is killed
+    ran = [r for r in rows if "device" in r]
+    for row in (r for r in ran if sanitize_glob and fnmatch.fnmatch(r["bundle"], sanitize_glob)):
+        for tool in SANITIZER_TOOLS:
+            row.update(sanitize(Path(row["path"]), tool, timeout) if time.monotonic() < deadline
+                       else {tool: "not run (time budget)"})
+        print(row["bundle"], {t: row[t] for t in SANITIZER_TOOLS}, flush=True)
+        common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)
+    for row in (r for r in ran if ncu and fnmatch.fnmatch(r["bundle"], ncu)):
+        if ncu_path is None:
+            row["ncu"] = f"not run: {ncu_missing}"
+            continue
+        if time.monotonic() > deadline:
+            row["ncu"] = "not run (time budget)"
+            continue
+        try:
+            launches = profile_launches(ncu_path, [sys.executable, __file__, "once", row["path"]], NCU_METRICS,
+                                        row["bundle"])
+            row.update({"ncu_launches": len(launches),
+                        "dram_read_mb": sum(x["dram__bytes_read.sum"] for x in launches) / 1e6,
+                        "dram_write_mb": sum(x["dram__bytes_write.sum"] for x in launches) / 1e6,
+                        "ncu_gpu_time_ms": sum(x["gpu__time_duration.sum"] for x in launches) / 1e6})
+        except Exception as e:  # a profiler failure is this row's finding, not the run's end
+            row["ncu"] = f"failed: {_tail(str(e))}"
+        print(row["bundle"], {k: row.get(k) for k in ("ncu_launches", "dram_read_mb", "dram_write_mb", "ncu")},
+              flush=True)
+        common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)
+    common.publish("gpu_kernels", rows, kernels_table(rows), ("numpy", "cuda-bindings", "torch"),
+                   f"CUDA events, {warmup} warm-up runs, median of {repeat}; outputs poisoned (0xFF) before each check",
+                   results)
+
+
+def kernels_table(rows: list[dict]) -> str:
+    header = ("| bundle | check (max abs error) | unwritten | launches | grid | median | min | runs "
+              "| racecheck | synccheck | kernels (ncu) | DRAM read MB (ncu) | DRAM write MB (ncu) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+    def cell(row, key, fmt="{}", missing="-"):
+        return fmt.format(row[key]) if key in row else missing
+
+    device = next((r["device"] for r in rows if "device" in r), "no bundle ran")
+    return f"Device: {device}\n\n" + header + "\n".join(
+        f"| {r['bundle']} | {r['check']}{cell(r, 'max_abs_error', ' ({:.2g})', '')} | {cell(r, 'unwritten')} "
+        f"| {cell(r, 'launches')} | {cell(r, 'grid')}{cell(r, 'blocks_per_sm', ' ({}/SM)', '')} "
+        f"| {cell(r, 'median_ms', '{:.3f} ms')} | {cell(r, 'min_ms', '{:.3f} ms')} | {cell(r, 'runs')} "
+        f"| {cell(r, 'racecheck')} | {cell(r, 'synccheck')} | {cell(r, 'ncu_launches')} "
+        f"| {cell(r, 'dram_read_mb', '{:.2f}')} | {cell(r, 'dram_write_mb', '{:.2f}')} |" for r in rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=("export", "run", "once"))
+    parser.add_argument("step", choices=("export", "run", "check", "once"))
     parser.add_argument("directory", type=Path)
     parser.add_argument("--models", nargs="+", default=list(models.MODELS))
     parser.add_argument("--configs", nargs="+", default=["tiny", "paper"])
     parser.add_argument("--levels", nargs="+", type=int, default=None, help="opt levels to export (default: O4)")
+    parser.add_argument("--precisions", nargs="+", default=["fp32"], help="precisions to export (fp32, fp16)")
     parser.add_argument("--repeat", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--ncu", action="store_true", help="also count launches and DRAM bytes with Nsight Compute")
+    parser.add_argument("--ncu", metavar="GLOB", help="also count launches and DRAM bytes with Nsight Compute "
+                        "for the bundles matching GLOB (e.g. '*_paper_O4')")
+    parser.add_argument("--sanitize", metavar="GLOB", help="run compute-sanitizer racecheck and synccheck on the "
+                        "bundles matching GLOB (e.g. '*_tiny_*')")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds one bundle's process may take")
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no bundle starts")
+    parser.add_argument("--results", type=Path, default=None, help="where the JSON and markdown go "
+                        "(default benchmarks/results)")
     args = parser.parse_args()
     if args.step == "export":
-        export_all(args.directory, args.models, args.configs, args.levels)
+        export_all(args.directory, args.models, args.configs, args.levels, args.precisions)
     elif args.step == "once":
         once(args.directory)
+    elif args.step == "check":
+        print(json.dumps(check_bundle(args.directory, args.repeat, args.warmup)))
     else:
-        run(args.directory, args.repeat, args.warmup, args.ncu)
+        run(args.directory, args.repeat, args.warmup, args.ncu, args.sanitize, args.timeout, args.results, args.budget)
 
 
 if __name__ == "__main__":

@@ -115,19 +115,39 @@ def _options(pipeline: Pipeline, device: str | None, threads, opt_level, validat
                           VALIDATE_BY_DEFAULT if validate is None else validate, check_precision(precision))
 
 
-def export_check(name: str, config: str, directory, archs: tuple[str, ...] = ("sm_80",), opt_level: int | None = None):
-    """Compile model ``name`` for cuda (at ``opt_level``, by default the compiler's) and write its
-    check bundle (``souffle.runtime.check``) to ``directory``; returns the compiled model.
+def export_check(name: str, config: str, directory, archs: tuple[str, ...] = ("sm_80",), opt_level: int | None = None,
+                 precision: str = "fp32"):
+    """Compile model ``name`` for cuda (at ``opt_level``, by default the compiler's, and
+    ``precision``) and write its check bundle (``souffle.runtime.check``) to ``directory``, with
+    PyTorch's outputs at the same precision; returns the compiled model.
 
     The bundle is loaded back as the GPU machine will load it, so that one it would refuse (a
     reference output of another shape or dtype than the kernel's) fails here, where it is made."""
     graph = models.build(name, config)
-    model = compile(graph, target="cuda", opt_level=opt_level)
+    model = compile(graph, target="cuda", opt_level=opt_level, precision=precision)
     target = model.artifact(config=config, seed=0, archs=archs).save(directory)
     inputs = models.make_inputs(name, config, seed=1)
     np.savez(target / INPUTS, **inputs)
-    np.savez(target / EXPECTED, *models.reference(name, config, graph.weights)(inputs))
-    rtol, atol = models.tolerance(name, config)
+    np.savez(target / EXPECTED, *models.reference(name, config, graph.weights, precision)(inputs))
+    rtol, atol = models.tolerance(name, config, precision)
     (target / CHECK).write_text(json.dumps({"rtol": rtol, "atol": atol, "report": str(model.report())}))
+    (target / STATIC).write_text(json.dumps(static_figures(model), indent=1))
     Check.load(target)
     return model
+
+
+STATIC = "static.json"  # beside a check bundle: what the compiler predicts for it, read back by the GPU report
+
+
+def static_figures(model: CudaModel) -> dict:
+    """The static model's figures for ``model``'s kernels, to set beside a GPU's measurements:
+    the latency estimate and roofline bound on the device model it was compiled for, and the
+    global-memory bytes one inference reads and writes (an upper bound on DRAM traffic)."""
+    from codegen.traffic import memory_traffic
+
+    estimate, traffic = model.latency, memory_traffic(model.plan)
+    return {"device": estimate.device.name, "estimate_ms": estimate.seconds * 1e3,
+            "roofline_ms": estimate.roofline_seconds * 1e3, "launches": estimate.launches,
+            "grid_barriers": estimate.grid_barriers, "read_bytes": traffic.read_bytes,
+            "write_bytes": traffic.write_bytes, "compulsory_bytes": traffic.compulsory_bytes,
+            "traffic_exact": all(stage.exact for stage in traffic.stages)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+from souffle import recipe
 from souffle.compiled import CompiledModel, Report, check_count
 from souffle.passes import PipelineRun
 from souffle.runtime.artifact import KernelArtifact, Launcher, TensorSlot
@@ -57,23 +58,36 @@ class CudaModel(CompiledModel):
     def artifact(self, config: str | None = None, seed: int = 0, archs: tuple[str, ...] = ()) -> KernelArtifact:
         """The kernel as a TVM-free artifact (``souffle.runtime.artifact``), with cubins for
         ``archs`` besides the device model's; ``config`` and ``seed`` name the model's own
-        weights (when the graph came from ``souffle.models``) so the artifact need not carry them."""
+        weights (when the graph came from ``souffle.models``) so the artifact need not carry them.
+        A weight the model's initialisation does not make (a constant an importer folded: Swin's
+        shifted-window masks) is carried in its recipe, since a GPU machine cannot import again."""
         from souffle.runtime.cuda import compile_cubin
 
         staged = self.plan
         cubins = {self.device_model.arch: self.cubin}
         kernels = tuple(self.argument_orders)
         cubins.update({arch: compile_cubin(self.source, arch, kernels)[0] for arch in archs if arch not in cubins})
+        constants = self._folded_constants(config, seed)
         return KernelArtifact(
             model=self.graph.name, config=config, seed=seed, threads=staged.threads,
             kernels={name: list(order) for name, order in self.argument_orders.items()},
             launches=_launches_json(self.kernel_plan.launches),
             inputs=[TensorSlot(s.name, b.name, tuple(s.shape), s.dtype) for s, b in zip(self.graph.inputs, staged.input_buffers)],
             outputs=[TensorSlot(s.name, b.name, tuple(s.shape), s.dtype) for s, b in zip(staged.outputs, staged.output_buffers)],
-            weights=[{"buffer": b.name, "recipe": staged.weight_recipes[spec.name], "shape": list(spec.shape),
-                      "dtype": spec.dtype} for b, (spec, _) in zip(staged.weight_buffers, staged.weights)],
+            weights=[{"buffer": b.name, "recipe": recipe.with_constants(staged.weight_recipes[spec.name], constants),
+                      "shape": list(spec.shape), "dtype": spec.dtype}
+                     for b, (spec, _) in zip(staged.weight_buffers, staged.weights)],
             arenas={buffer.name: (dtype, staged.arena_sizes[dtype]) for dtype, buffer in staged.arena_buffers.items()},
             source=self.source, cubins=cubins)
+
+    def _folded_constants(self, config: str | None, seed: int) -> dict:
+        """The graph's weights that ``config``'s seeded initialisation does not make."""
+        if config is None:
+            return {}
+        from souffle import models
+
+        made = models.get(self.graph.name).init_weights(models.config(self.graph.name, config), seed)
+        return {name: value for name, value in self.graph.weights.items() if name not in made}
 
     def _device(self):
         """The device the kernels run on: None for the first GPU."""

@@ -83,6 +83,20 @@ def evaluate(recipe: list, weights: Mapping[str, np.ndarray]) -> np.ndarray:
     raise SouffleError(f"unknown weight recipe {kind!r}")
 
 
+def with_constants(recipe: list, constants: Mapping[str, np.ndarray]) -> list:
+    """``recipe`` with each model weight named in ``constants`` replaced by its value."""
+    kind = recipe[0]
+    if kind == "model":
+        return const(constants[recipe[1]]) if recipe[1] in constants else recipe
+    if kind == "const":
+        return recipe
+    if kind in ("stack", "add"):
+        return [kind, [with_constants(r, constants) for r in recipe[1]]]
+    if kind == "concat":
+        return [kind, recipe[1], [with_constants(r, constants) for r in recipe[2]]]
+    return [*recipe[:-1], with_constants(recipe[-1], constants)]  # pad, take, cast: the part is last
+
+
 def sources(recipe: list) -> set[str]:
     """The model weights a recipe reads."""
     if recipe[0] == "model":

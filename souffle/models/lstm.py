@@ -174,18 +174,34 @@ def build_graph(cfg: dict, weights: dict[str, np.ndarray]) -> Graph:
     return b.build(output, h_n, c_n).with_weights(weights)
 
 
-def torch_reference(cfg: dict, weights: dict[str, np.ndarray]):
-    """torch.nn.LSTM loaded with ``weights``: inputs -> [output, h_n, c_n]."""
+def torch_module(cfg: dict, weights: dict[str, np.ndarray]):
+    """torch.nn.LSTM loaded with ``weights``, as a module taking the graph's inputs by name
+    (x, and h0 and c0 when the config has an initial state) and returning (output, h_n, c_n)."""
     import torch
 
-    lstm = torch.nn.LSTM(cfg["input_size"], cfg["hidden_size"], cfg["num_layers"], bias=cfg["bias"])
-    load_weights(lstm, weights)
+    class LSTM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = torch.nn.LSTM(cfg["input_size"], cfg["hidden_size"], cfg["num_layers"], bias=cfg["bias"])
+
+        def forward(self, x, h0=None, c0=None):
+            output, (h_n, c_n) = self.lstm(x, None if h0 is None else (h0, c0))
+            return output, h_n, c_n
+
+    module = LSTM()
+    load_weights(module.lstm, weights)
+    return module
+
+
+def torch_reference(cfg: dict, weights: dict[str, np.ndarray]):
+    """inputs -> [output, h_n, c_n], computed by ``torch_module``."""
+    import torch
+
+    module = torch_module(cfg, weights)
 
     def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         tensors = {name: torch.from_numpy(np.asarray(value, dtype=np.float32)) for name, value in inputs.items()}
         with torch.no_grad():
-            hx = (tensors["h0"], tensors["c0"]) if cfg["initial_state"] else None
-            output, (h_n, c_n) = lstm(tensors["x"], hx)
-        return [output.numpy(), h_n.numpy(), c_n.numpy()]
+            return [output.numpy() for output in module(**tensors)]
 
     return run

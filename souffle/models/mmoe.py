@@ -73,8 +73,8 @@ def build_graph(cfg: dict, weights: dict[str, np.ndarray]) -> Graph:
     return b.build(*outputs).with_weights(weights)
 
 
-def torch_reference(cfg: dict, weights: dict[str, np.ndarray]):
-    """The same model as a torch.nn.Module whose state_dict names match: inputs -> task outputs."""
+def torch_module(cfg: dict, weights: dict[str, np.ndarray]):
+    """The same model as a torch.nn.Module whose state_dict names match: x -> task outputs."""
     import torch
     from torch import nn
 
@@ -97,7 +97,14 @@ def torch_reference(cfg: dict, weights: dict[str, np.ndarray]):
                 outputs.append(tower((weights.unsqueeze(2) * experts).sum(dim=1)))
             return outputs
 
-    model = load_weights(MMoE(), weights)
+    return load_weights(MMoE(), weights)
+
+
+def torch_reference(cfg: dict, weights: dict[str, np.ndarray]):
+    """inputs -> task outputs, computed by ``torch_module``."""
+    import torch
+
+    model = torch_module(cfg, weights)
 
     def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         with torch.no_grad():

@@ -16,7 +16,6 @@ import numpy as np
 
 from souffle.errors import ConfigError
 from souffle.graph import Graph
-from souffle.importers.torch_export import from_torch
 from souffle.models.torch_interop import load_weights
 
 CONFIGS = {
@@ -98,7 +97,7 @@ def torch_module(cfg, weights=None):
             q = q * (channels // self.heads) ** -0.5
             attn = q.matmul(k.transpose(-2, -1)) + self.relative_position_bias()
             if sum(shift) > 0:
-                mask = _shift_mask(padded_h, padded_w, shift, x.dtype)
+                mask = _shift_mask(padded_h, padded_w, shift, x.dtype, x.device)
                 attn = attn.view(batch, windows, self.heads, tokens, tokens) + mask.unsqueeze(1).unsqueeze(0)
                 attn = attn.view(-1, self.heads, tokens, tokens)
             attn = F.softmax(attn, dim=-1)
@@ -111,10 +110,11 @@ def torch_module(cfg, weights=None):
                 x = torch.roll(x, shifts=(shift[0], shift[1]), dims=(1, 2))
             return x[:, :height, :width, :].contiguous()
 
-    def _shift_mask(padded_h: int, padded_w: int, shift: list[int], dtype):
+    def _shift_mask(padded_h: int, padded_w: int, shift: list[int], dtype, device):
         """-100 where two tokens of a shifted window came from different regions of the map
-        (torchvision's mask): built from constants only, so the importer folds it."""
-        regions = torch.zeros((padded_h, padded_w), dtype=dtype)
+        (torchvision's mask): built from constants only, so the importer folds it; on the
+        activations' device, so the module runs on a GPU too."""
+        regions = torch.zeros((padded_h, padded_w), dtype=dtype, device=device)
         h_bands = ((0, -window[0]), (-window[0], -shift[0]), (-shift[0], None))
         w_bands = ((0, -window[1]), (-window[1], -shift[1]), (-shift[1], None))
         label = 0
@@ -267,8 +267,11 @@ def _config(key: tuple) -> dict:
 @functools.lru_cache(maxsize=2)
 def _imported(key: tuple) -> tuple[Graph, dict[str, np.ndarray]]:
     """The module of one configuration imported once (``--check`` builds the graph twice, and
-    swin_b's import takes half a minute): the graph without weights, and the folded constants."""
+    swin_b's import takes half a minute): the graph without weights, and the folded constants.
+    The importer needs TVM, so it is imported here: a GPU machine rebuilds the weights without it."""
     import torch
+
+    from souffle.importers.torch_export import from_torch
 
     cfg = _config(key)
     module = torch_module(cfg, init_weights(cfg, seed=0))

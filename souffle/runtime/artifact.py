@@ -210,9 +210,11 @@ class Launcher:
         """Co-resident blocks per SM of the kernel with the widest grid."""
         return self.per_sm[max(self.grids, key=self.grids.get)]
 
-    def arguments(self, inputs: list[np.ndarray]):
+    def arguments(self, inputs: list[np.ndarray], poison: bool = False):
         """The buffers by parameter name for these inputs (one array per input, in the artifact's
-        order: ``KernelArtifact.checked_inputs``), and the outputs."""
+        order: ``KernelArtifact.checked_inputs``), and the outputs. ``poison`` fills the outputs
+        and the scratch arenas with 0xFF bytes first (NaN), so an element no kernel wrote, or
+        scratch read before it was written, shows in the outputs."""
         by_name = dict(self.resident)
         for slot, array in zip(self.artifact.inputs, self.artifact.checked_inputs(inputs)):
             by_name[slot.buffer] = self.device.upload(array)
@@ -220,6 +222,9 @@ class Launcher:
         for slot in self.artifact.outputs:
             by_name[slot.buffer] = self.device.alloc(slot.size * np.dtype(slot.dtype).itemsize)
             outputs.append((by_name[slot.buffer], slot))
+        if poison:
+            for name in (*self.artifact.arenas, *(slot.buffer for slot in self.artifact.outputs)):
+                by_name[name].fill(0xFF)
         return by_name, outputs
 
     def launch(self, buffers: dict, launches: list | None = None, counters: dict | None = None) -> None:
@@ -238,8 +243,8 @@ class Launcher:
             self.kernels[name].launch(grid, (32, self.artifact.threads // 32, 1), args, cooperative=launch["cooperative"],
                                       shared_bytes=launch["dynamic_shared"])
 
-    def run(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        buffers, outputs = self.arguments(inputs)
+    def run(self, inputs: list[np.ndarray], poison: bool = False) -> list[np.ndarray]:
+        buffers, outputs = self.arguments(inputs, poison)
         self.launch(buffers)
         self.device.synchronize()
         return [buffer.download(slot.dtype, slot.shape) for buffer, slot in outputs]

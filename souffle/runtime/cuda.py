@@ -396,7 +396,8 @@ class Device:
         cubin = cubins.get(self.arch)
         if cubin is None:
             cubin = compile_cubin(source, self.arch, names)[0]
-        return {name: Kernel(self, cubin, name) for name in names}
+        module = Module(self, cubin)
+        return {name: Kernel(self, module, name) for name in names}
 
     def synchronize(self) -> None:
         _check(self._current().cuCtxSynchronize(), "cuCtxSynchronize")
@@ -442,6 +443,12 @@ class DeviceBuffer:
         cu = self._live()
         _check(cu.cuMemcpyHtoD(self.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
 
+    def fill(self, byte: int) -> None:
+        """Set every byte of this buffer to ``byte`` (0xFF poisons: NaN in every float, -1 in
+        every integer), so that an element a kernel leaves unwritten shows."""
+        cu = self._live()
+        _check(cu.cuMemsetD8(self.ptr, byte, self.nbytes), "cuMemsetD8")
+
     def download(self, dtype, shape) -> np.ndarray:
         """A new array of ``dtype`` and ``shape`` read from the start of this buffer."""
         out = np.empty(shape, dtype)
@@ -464,15 +471,13 @@ def _free(device: Device, ptr: int) -> None:
 class Kernel:
     """One ``__global__`` function of a cubin, loaded on a device."""
 
-    def __init__(self, device: Device, cubin: bytes, name: str = "main_kernel"):
+    def __init__(self, device: Device, cubin: bytes | Module, name: str = "main_kernel"):
         cu = device._current()
         self.device = device
         self.name = name
-        # The driver reads the image through a pointer, so keep it in memory we own for the call.
-        image = np.frombuffer(cubin, dtype=np.uint8)
-        self.module = _check(cu.cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData (a cubin on {device.arch})")
-        self._finalizer = weakref.finalize(self, _unload, device, self.module)
-        self.function = _check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name!r})")
+        self.module = cubin if isinstance(cubin, Module) else Module(device, cubin)
+        self.function = _check(cu.cuModuleGetFunction(self.module.handle, name.encode()),
+                               f"cuModuleGetFunction({name!r})")
 
     def max_active_blocks_per_sm(self, threads: int, dynamic_smem: int = 0) -> int:
         cu = self.device._current()
@@ -517,6 +522,18 @@ class Kernel:
             result = cu.cuLaunchKernel(self.function, grid, 1, 1, bx, by, bz, shared_bytes, stream, params, 0)
         kind = "cooperative launch" if cooperative else "launch"
         _check(result, f"{kind} of {self.name!r} ({grid} blocks x {threads} threads)")
+
+
+class Module:
+    """A cubin loaded on a device, unloaded when no Kernel of it is left: a model compiled at O0
+    has hundreds of kernels in one cubin, loaded once."""
+
+    def __init__(self, device: Device, cubin: bytes):
+        cu = device._current()
+        # The driver reads the image through a pointer, so keep it in memory we own for the call.
+        image = np.frombuffer(cubin, dtype=np.uint8)
+        self.handle = _check(cu.cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData (a cubin on {device.arch})")
+        self._finalizer = weakref.finalize(self, _unload, device, self.handle)
 
 
 def _unload(device: Device, module) -> None:

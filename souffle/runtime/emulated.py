@@ -155,6 +155,9 @@ class EmulatedBuffer:
             raise SouffleError(f"upload of {data.size} B into a buffer of {self.nbytes} B")
         self.bytes[:data.size] = data
 
+    def fill(self, byte: int) -> None:
+        self.bytes[:self.nbytes] = byte
+
     def download(self, dtype, shape) -> np.ndarray:
         dtype = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))

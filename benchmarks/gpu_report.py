@@ -1,0 +1,181 @@
+"""One report of a GPU run from the files it brought back (``scripts/gpu_run.sh``, or its steps
+run one by one), with the static model's figures beside the measurements.
+
+    python benchmarks/gpu_report.py NAME --bundles DIR --kernels A.json [B.json ...] \\
+        --torch C.json[:MODE,MODE] [D.json ...] [--results DIR]
+
+``--kernels``: ``benchmarks/gpu_kernels.py run`` results; a bundle's row is the first file's,
+with the fields only a later file has (a later run's ncu columns) added. ``--torch``:
+``benchmarks/gpu_torch.py`` results, each optionally restricted to some modes; a later file's
+row for the same bundle and mode replaces an earlier one. ``--bundles``: the exported bundles,
+whose ``static.json`` (``souffle.compiler.static_figures``) gives the estimate and static bytes.
+Writes ``NAME.json`` and ``NAME.md``: every kernel's check, Souffle against each PyTorch mode,
+the opt levels' ablation, and DRAM bytes measured against counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common
+
+TORCH_MODES = ("eager", "cuda-graph", "compile", "reduce-overhead", "max-autotune")
+BUNDLE = re.compile(r"(?P<model>[a-z]+)_(?P<config>tiny|paper)_O(?P<level>\d)(?:_(?P<precision>fp16))?$")
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def merge_kernels(paths: list[Path]) -> dict[str, dict]:
+    rows: dict[str, dict] = {}
+    for path in paths:
+        for row in _load(path)["results"]:
+            row = {k: v for k, v in row.items() if k != "path"}  # where the bundle lay on the GPU machine
+            rows[row["bundle"]] = {**row, **rows.get(row["bundle"], {})}
+    return rows
+
+
+def merge_torch(specs: list[str]) -> dict[tuple[str, str], dict]:
+    rows: dict[tuple[str, str], dict] = {}
+    for spec in specs:
+        path, _, modes = spec.partition(":")
+        for row in _load(Path(path))["results"]:
+            if row.get("status") == "ok" and (not modes or row["mode"] in modes.split(",")):
+                rows[row["bundle"], row["mode"]] = row
+    return rows
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def kernels_table(kernels: dict[str, dict], static: dict[str, dict]) -> str:
+    lines = ["| bundle | check (max abs error) | unwritten | repeatable | launches | grid (blocks/SM) "
+             "| median ms | estimate ms | racecheck | synccheck |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in sorted(kernels.items()):
+        est = static.get(name, {})
+        err = f" ({r['max_abs_error']:.2g})" if "max_abs_error" in r else ""
+        lines.append(f"| {name} | {r['check']}{err} | {r.get('unwritten', '-')} | {r.get('repeatable', '-')} "
+                     f"| {r.get('launches', '-')} | {r.get('grid', '-')} ({r.get('blocks_per_sm', '-')}) "
+                     f"| {_ms(r.get('median_ms'))} | {_ms(est.get('estimate_ms'))} ({est.get('device', '-')}) "
+                     f"| {r.get('racecheck', '-')} | {r.get('synccheck', '-')} |")
+    return "\n".join(lines)
+
+
+def comparison_rows(kernels: dict[str, dict], torch: dict[tuple[str, str], dict]) -> list[dict]:
+    rows = []
+    for name, r in sorted(kernels.items()):
+        match = BUNDLE.match(name)
+        modes = {mode: torch[name, mode] for mode in TORCH_MODES if (name, mode) in torch}
+        if not match or match["level"] != "4" or not modes or "median_ms" not in r:
+            continue
+        best_mode = min(modes, key=lambda m: modes[m]["median_ms"])
+        rows.append({"bundle": name, "model": match["model"], "config": match["config"],
+                     "precision": match["precision"] or "fp32", "souffle_ms": r["median_ms"],
+                     "souffle_launches": r["launches"],
+                     **{f"{mode}_ms": modes[mode]["median_ms"] for mode in modes},
+                     **{f"{mode}_kernels": modes[mode]["kernels"] for mode in modes},
+                     "best_pytorch": best_mode, "speedup_over_best": modes[best_mode]["median_ms"] / r["median_ms"]})
+    return rows
+
+
+def comparison_table(rows: list[dict]) -> str:
+    lines = ["| model | config | precision | Souffle ms (launches) | " + " | ".join(
+        f"{mode} ms (kernels)" for mode in TORCH_MODES) + " | Souffle vs best PyTorch |",
+             "|---|---|---|---|" + "---|" * len(TORCH_MODES) + "---|"]
+    for r in sorted(rows, key=lambda r: (r["config"] != "paper", r["model"], r["precision"])):
+        cells = [f"{r[f'{m}_ms']:.3f} ({r[f'{m}_kernels']})" if f"{m}_ms" in r else "not measured"
+                 for m in TORCH_MODES]
+        lines.append(f"| {r['model']} | {r['config']} | {r['precision']} | {r['souffle_ms']:.3f} "
+                     f"({r['souffle_launches']}) | " + " | ".join(cells)
+                     + f" | {r['speedup_over_best']:.2f}x ({r['best_pytorch']}) |")
+    return "\n".join(lines)
+
+
+def ablation_table(kernels: dict[str, dict], static: dict[str, dict]) -> str:
+    levels: dict[tuple[str, str, str], dict[str, dict]] = {}
+    for name, r in kernels.items():
+        match = BUNDLE.match(name)
+        if match and "median_ms" in r:
+            levels.setdefault((match["model"], match["config"], match["precision"] or "fp32"), {})[match["level"]] = name
+    header = "| model | config | precision | " + " | ".join(f"O{level} ms (launches; estimate)" for level in range(5))
+    lines = [header + " |", "|---|---|---|" + "---|" * 5]
+    for (model, config, precision), names in sorted(levels.items(), key=lambda kv: (kv[0][1] != "paper", kv[0])):
+        if len(names) < 2:
+            continue
+        cells = []
+        for level in map(str, range(5)):
+            name = names.get(level)
+            if name is None:
+                cells.append("not run")
+                continue
+            r, est = kernels[name], static.get(name, {})
+            cells.append(f"{r['median_ms']:.3f} ({r['launches']}; {_ms(est.get('estimate_ms'))})")
+        lines.append(f"| {model} | {config} | {precision} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def dram_table(kernels: dict[str, dict], static: dict[str, dict]) -> str:
+    lines = ["| bundle | DRAM read MB (ncu) | read MB (counted) | DRAM write MB (ncu) | write MB (counted) "
+             "| compulsory MB |", "|---|---|---|---|---|---|"]
+    for name, r in sorted(kernels.items()):
+        if "dram_read_mb" not in r:
+            continue
+        est = static.get(name, {})
+
+        def mb(key):
+            return f"{est[key] / 1e6:.2f}" if key in est else "-"
+
+        lines.append(f"| {name} | {r['dram_read_mb']:.2f} | {mb('read_bytes')} | {r['dram_write_mb']:.2f} "
+                     f"| {mb('write_bytes')} | {mb('compulsory_bytes')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", help="results name, e.g. gpu_h200")
+    parser.add_argument("--bundles", type=Path, required=True)
+    parser.add_argument("--kernels", type=Path, nargs="+", required=True)
+    parser.add_argument("--torch", nargs="+", default=[])
+    parser.add_argument("--results", type=Path, default=None)
+    parser.add_argument("--note", action="append", default=[], help="a sentence the report carries (repeatable)")
+    args = parser.parse_args()
+    kernels = merge_kernels(args.kernels)
+    torch = merge_torch(args.torch)
+    static = {name: _load(args.bundles / name / "static.json") for name in kernels
+              if (args.bundles / name / "static.json").exists()}
+    comparison = comparison_rows(kernels, torch)
+    first = _load(args.kernels[0])
+    commands = [_load(p)["command"] for p in args.kernels] + [_load(Path(s.partition(":")[0]))["command"]
+                                                             for s in args.torch]
+    md = "\n\n".join([
+        "Commands on the GPU machine: " + "; ".join(f"`{c}`" for c in commands),
+        f"GPU machine: {first['machine']}. Versions: {first['versions']}. Timing: {first['timing']}.",
+        *args.note,
+        "## Souffle against PyTorch on the same GPU, weights and inputs (median ms, CUDA events)",
+        comparison_table(comparison),
+        "## Every exported kernel: outputs against PyTorch's (poisoned first), time, estimate, sanitizers",
+        kernels_table(kernels, static),
+        "## The opt levels on the GPU",
+        ablation_table(kernels, static),
+        "## DRAM bytes: ncu against the static count",
+        dram_table(kernels, static)])
+    payload = {"sources": {"kernels": [str(p) for p in args.kernels], "torch": args.torch},
+               "command": common.command(), "machine": first["machine"], "versions": first["versions"],
+               "notes": args.note, "kernels": list(kernels.values()), "static": static, "comparison": comparison,
+               "torch": list(torch.values())}
+    json_path, md_path = common.write(args.name, payload, md, args.results)
+    print(md)
+    print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()

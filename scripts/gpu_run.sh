@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The whole GPU run, on a bare lent GPU machine: Python with torch, cuda-bindings and numpy, no
+# TVM, no package registry, this tree as sent. The kernels are exported beforehand on a machine
+# with TVM:
+#
+#   python benchmarks/gpu_kernels.py export BUNDLES --configs tiny paper --levels 0 1 2 3 4 [--precisions fp32 fp16]
+#   git rev-parse --short HEAD > BUNDLES/COMMIT
+#
+# and then, on the GPU machine:
+#
+#   bash scripts/gpu_run.sh BUNDLES OUT [SECONDS]
+#
+# runs, within about SECONDS (default 480): pytest -m gpu; every bundle's outputs against
+# PyTorch's, poisoned first, and its CUDA-event times; compute-sanitizer racecheck and synccheck
+# on the tiny O4 kernels; ncu's DRAM bytes and launches on the paper O4 kernels; PyTorch eager,
+# CUDA graphs, torch.compile and torch.compile max-autotune on the same weights and inputs.
+# OUT gets device.txt, pytest_gpu.txt, gpu_kernels.{json,md}, gpu_torch.{json,md} and log.txt.
+set -u -o pipefail
+bundles=$1 out=$2 seconds=${3:-480}
+python=${PYTHON:-python3}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 SOUFFLE_COMMIT=$(cat "$bundles/COMMIT" 2>/dev/null)
+mkdir -p "$out"
+exec > >(tee "$out/log.txt") 2>&1
+start=$SECONDS
+left() { echo $((seconds - (SECONDS - start))); }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/device.txt"
+echo "commit ${SOUFFLE_COMMIT:-unknown}; $($python -c 'import torch; print("torch", torch.__version__)')" | tee -a "$out/device.txt"
+echo "tools: $(command -v nvcc ncu compute-sanitizer | tr '\n' ' ')" | tee -a "$out/device.txt"
+
+echo "== pytest -m gpu ($(left) s left)"
+SOUFFLE_GPU_ARTIFACTS=$bundles timeout 90 $python -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_runtime_cuda.py tests/test_gpu.py 2>&1 | tail -40 | tee "$out/pytest_gpu.txt"
+
+echo "== Souffle's kernels ($(left) s left)"
+timeout $(( $(left) * 6 / 10 )) $python benchmarks/gpu_kernels.py run "$bundles" --results "$out" \
+    --timeout 60 --budget $(( $(left) * 5 / 10 )) --repeat 50 --warmup 10 \
+    --sanitize '*_tiny_O4' --ncu '*_paper_O4*'
+
+echo "== PyTorch ($(left) s left)"
+timeout $(( $(left) - 10 )) $python benchmarks/gpu_torch.py "$bundles" --souffle "$out/gpu_kernels.json" \
+    --results "$out" --budget $(( $(left) - 60 )) --repeat 50 --warmup 10
+echo "== done in $((SECONDS - start)) s"

@@ -1,0 +1,81 @@
+"""benchmarks/gpu_report.py: how the files a GPU run brings back are merged (which run's figure
+wins, which PyTorch modes are taken) and what the speedups are computed from."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_report  # noqa: E402
+
+
+def _results(path: Path, rows: list[dict], command: str = "python3 x") -> Path:
+    path.write_text(json.dumps({"command": command, "machine": {"gpus": ["NVIDIA H200, 580"]},
+                                "versions": {"souffle_commit": "abc"}, "timing": "CUDA events", "results": rows}))
+    return path
+
+
+def _kernel(bundle: str, **fields) -> dict:
+    return {"bundle": bundle, "check": "PASS", "max_abs_error": 1e-6, "unwritten": 0, "repeatable": True,
+            "launches": 1, "grid": 132, "blocks_per_sm": 1, "path": "/tmp/b/k/" + bundle, **fields}
+
+
+def _torch(bundle: str, mode: str, ms: float, status: str = "ok") -> dict:
+    return {"bundle": bundle, "mode": mode, "status": status, "median_ms": ms, "kernels": 100}
+
+
+def test_the_first_run_keeps_its_figures_and_a_later_one_adds_its_own(tmp_path):
+    first = _results(tmp_path / "a.json", [_kernel("bert_paper_O4", median_ms=2.0)])
+    later = _results(tmp_path / "b.json", [_kernel("bert_paper_O4", median_ms=9.0, dram_read_mb=172.7)])
+    merged = gpu_report.merge_kernels([first, later])
+    assert merged["bert_paper_O4"]["median_ms"] == 2.0
+    assert merged["bert_paper_O4"]["dram_read_mb"] == 172.7
+    assert "path" not in merged["bert_paper_O4"]
+
+
+def test_torch_rows_are_restricted_to_the_named_modes_and_failures_left_out(tmp_path):
+    run1 = _results(tmp_path / "t1.json", [_torch("bert_paper_O4", "eager", 6.0),
+                                            _torch("bert_paper_O4", "compile", 1.0),  # not trusted: left out
+                                            _torch("bert_paper_O4", "cuda-graph", 9.0, status="failed: x")])
+    run2 = _results(tmp_path / "t2.json", [_torch("bert_paper_O4", "reduce-overhead", 3.0)])
+    merged = gpu_report.merge_torch([f"{run1}:eager,cuda-graph", str(run2)])
+    assert sorted(merged) == [("bert_paper_O4", "eager"), ("bert_paper_O4", "reduce-overhead")]
+
+
+def test_speedup_is_over_the_fastest_pytorch_mode_measured():
+    kernels = {"bert_paper_O4_fp16": _kernel("bert_paper_O4_fp16", median_ms=2.0),
+               "bert_paper_O3": _kernel("bert_paper_O3", median_ms=5.0)}
+    torch = {("bert_paper_O4_fp16", "eager"): _torch("bert_paper_O4_fp16", "eager", 6.0),
+             ("bert_paper_O4_fp16", "reduce-overhead"): _torch("bert_paper_O4_fp16", "reduce-overhead", 1.0),
+             ("bert_paper_O3", "eager"): _torch("bert_paper_O3", "eager", 6.0)}
+    (row,) = gpu_report.comparison_rows(kernels, torch)  # O3 is not compared: PyTorch runs the model, not a level
+    assert (row["model"], row["precision"], row["best_pytorch"]) == ("bert", "fp16", "reduce-overhead")
+    assert row["speedup_over_best"] == pytest.approx(0.5)
+    table = gpu_report.comparison_table([row])
+    assert "| 2.000 (1) | 6.000 (100) | not measured |" in table and "0.50x (reduce-overhead)" in table
+
+
+def test_the_report_sets_estimate_and_counted_bytes_beside_the_measurements(tmp_path):
+    bundle = tmp_path / "bundles" / "mmoe_paper_O4"
+    bundle.mkdir(parents=True)
+    (bundle / "static.json").write_text(json.dumps({"device": "h200", "estimate_ms": 0.007, "read_bytes": 60848,
+                                                    "write_bytes": 992, "compulsory_bytes": 59744}))
+    kernels = _results(tmp_path / "k.json", [_kernel("mmoe_paper_O4", median_ms=0.025, dram_read_mb=0.11,
+                                                     dram_write_mb=0.0),
+                                             _kernel("mmoe_paper_O0", median_ms=1.0, launches=108)])
+    torch = _results(tmp_path / "t.json", [_torch("mmoe_paper_O4", "cuda-graph", 0.078)])
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), "gpu_test",
+                           "--bundles", str(tmp_path / "bundles"), "--kernels", str(kernels), "--torch", str(torch),
+                           "--results", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr
+    md = (tmp_path / "gpu_test.md").read_text()
+    assert "| mmoe_paper_O4 | 0.11 | 0.06 | 0.00 | 0.00 | 0.06 |" in md
+    assert "| mmoe | paper | fp32 | 1.000 (108; -) | not run | not run | not run | 0.025 (1; 0.007) |" in md
+    assert "3.12x (cuda-graph)" in md
+    payload = json.loads((tmp_path / "gpu_test.json").read_text())
+    assert payload["static"]["mmoe_paper_O4"]["read_bytes"] == 60848
