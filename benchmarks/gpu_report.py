@@ -157,6 +157,7 @@ def main() -> None:
     commands = [_load(p)["command"] for p in args.kernels] + [_load(Path(s.partition(":")[0]))["command"]
                                                              for s in args.torch]
     md = "\n\n".join([
+        f"Report: `{common.command()}`",
         "Commands on the GPU machine: " + "; ".join(f"`{c}`" for c in commands),
         f"GPU machine: {first['machine']}. Versions: {first['versions']}. Timing: {first['timing']}.",
         *args.note,
