@@ -306,8 +306,9 @@ class _RecordingDevice:
     def synchronize(self):
         self.calls.append("synchronize")
 
-    def launch(self, grid, threads, args, cooperative, shared_bytes):
-        self.calls.append("launch")
+    def prepare(self, grid, threads, args, cooperative, shared_bytes):
+        self.calls.append("prepare")
+        return lambda: self.calls.append("launch")
 
 
 def _launcher(artifact) -> tuple[Launcher, _RecordingDevice]:
@@ -333,7 +334,7 @@ def test_the_launcher_refuses_an_input_of_the_wrong_shape_or_dtype_before_any_dr
         launcher.run([given])
     assert device.calls == []
     outputs = launcher.run([np.zeros((1, 10), np.float32)])
-    assert device.calls == [("upload", (10,)), "alloc", "alloc", "launch", "synchronize"]
+    assert device.calls == [("upload", (10,)), "alloc", "alloc", "prepare", "launch", "synchronize"]
     assert [o.shape for o in outputs] == [(1, 1), (1, 1)]
 
 

@@ -234,9 +234,9 @@ def test_launcher_runs_host_loops_and_passes_their_counters():
         def __init__(self, name):
             self.name = name
 
-        def launch(self, grid, threads, args, cooperative, shared_bytes):
+        def prepare(self, grid, threads, args, cooperative, shared_bytes):
             counters = [int(a) for a in args if isinstance(a, np.int64)]
-            calls.append((self.name, grid, threads, counters, cooperative, shared_bytes))
+            return lambda: calls.append((self.name, grid, threads, counters, cooperative, shared_bytes))
 
     launcher = Launcher.__new__(Launcher)
     launcher.artifact = artifact

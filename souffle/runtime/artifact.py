@@ -227,21 +227,30 @@ class Launcher:
                 by_name[name].fill(0xFF)
         return by_name, outputs
 
-    def launch(self, buffers: dict, launches: list | None = None, counters: dict | None = None) -> None:
-        """One inference: the kernels in order, warps of 32 along x and the block's warps along y
-        (``codegen.schedule``), a host loop's counter passed to the kernels inside it."""
+    def prepare(self, buffers: dict, launches: list | None = None, counters: dict | None = None) -> list:
+        """One inference as a list of calls, one launch each, in order: the kernels with warps of
+        32 along x and the block's warps along y (``codegen.schedule``), host loops unrolled with
+        their counter passed to the kernels inside. Arguments are packed and checked here, once."""
         counters = counters or {}
+        prepared = []
         for launch in self.artifact.launches if launches is None else launches:
             if "loop" in launch:
                 for i in range(launch["trips"]):
-                    self.launch(buffers, launch["body"], {**counters, launch["loop"]: np.int64(i)})
+                    prepared += self.prepare(buffers, launch["body"], {**counters, launch["loop"]: np.int64(i)})
                 continue
             name = launch["kernel"]
             grid = self.grids[name]
             args = [grid if p == "grid_size" else counters[p] if p in counters else buffers[p]
                     for p in self.artifact.kernels[name]]
-            self.kernels[name].launch(grid, (32, self.artifact.threads // 32, 1), args, cooperative=launch["cooperative"],
-                                      shared_bytes=launch["dynamic_shared"])
+            prepared.append(self.kernels[name].prepare(grid, (32, self.artifact.threads // 32, 1), args,
+                                                       cooperative=launch["cooperative"],
+                                                       shared_bytes=launch["dynamic_shared"]))
+        return prepared
+
+    def launch(self, buffers: dict) -> None:
+        """One inference on ``buffers`` (``arguments``)."""
+        for launch in self.prepare(buffers):
+            launch()
 
     def run(self, inputs: list[np.ndarray], poison: bool = False) -> list[np.ndarray]:
         buffers, outputs = self.arguments(inputs, poison)
@@ -250,11 +259,17 @@ class Launcher:
         return [buffer.download(slot.dtype, slot.shape) for buffer, slot in outputs]
 
     def benchmark(self, inputs: list[np.ndarray], repeat: int = 50, warmup: int = 5) -> list[float]:
-        """Seconds per inference from CUDA events, inputs uploaded once."""
+        """Seconds per inference from CUDA events, inputs uploaded and launches prepared once."""
         from souffle.runtime.cuda import time_kernel
 
         buffers, _ = self.arguments(inputs)
-        return time_kernel(lambda: self.launch(buffers), self.device, warmup=warmup, repeat=repeat)
+        prepared = self.prepare(buffers)
+
+        def inference():
+            for launch in prepared:
+                launch()
+
+        return time_kernel(inference, self.device, warmup=warmup, repeat=repeat)
 
 
 def _kernel_launches(launches: list):

@@ -503,6 +503,13 @@ class Kernel:
         floats (float32), in the kernel's parameter order. A cooperative launch (needed for grid-wide sync) is
         refused up front when the grid cannot be co-resident, with the numbers that say why.
         """
+        self.prepare(grid, threads, args, cooperative, stream, shared_bytes)()
+
+    def prepare(self, grid: int, threads: int | tuple[int, ...], args: list, cooperative: bool = True,
+                stream=None, shared_bytes: int = 0):
+        """``launch``'s checks and argument packing done once: a call that launches with one
+        driver call. A model compiled at O0 launches thousands of kernels per inference, and
+        repeating the checks at each took about as long as the launch."""
         params = _kernel_params(args)
         cu = self.device._current()
         bx, by, bz = (tuple(threads) + (1, 1))[:3] if isinstance(threads, tuple) else (threads, 1, 1)
@@ -517,11 +524,24 @@ class Kernel:
                     f"grid of {grid} blocks cannot be co-resident: "
                     f"{self.device.sms} SMs x {per_sm} blocks/SM = {limit}"
                 )
-            result = cu.cuLaunchCooperativeKernel(self.function, grid, 1, 1, bx, by, bz, shared_bytes, stream, params)
-        else:
-            result = cu.cuLaunchKernel(self.function, grid, 1, 1, bx, by, bz, shared_bytes, stream, params, 0)
-        kind = "cooperative launch" if cooperative else "launch"
-        _check(result, f"{kind} of {self.name!r} ({grid} blocks x {threads} threads)")
+        what = f"{'cooperative launch' if cooperative else 'launch'} of {self.name!r} ({grid} blocks x {threads} threads)"
+        function, device = self.function, self.device
+
+        buffers = [arg for arg in args if isinstance(arg, DeviceBuffer)]
+
+        def launch() -> None:
+            # the buffers stay referenced here, so the packed pointers stay allocated; one freed
+            # since is refused before the driver sees its pointer
+            for buffer in buffers:
+                buffer._require_alive()
+            device._current()
+            if cooperative:
+                result = cu.cuLaunchCooperativeKernel(function, grid, 1, 1, bx, by, bz, shared_bytes, stream, params)
+            else:
+                result = cu.cuLaunchKernel(function, grid, 1, 1, bx, by, bz, shared_bytes, stream, params, 0)
+            _check(result, what)
+
+        return launch
 
 
 class Module:

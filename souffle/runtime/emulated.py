@@ -226,6 +226,10 @@ class EmulatedKernel:
         if nbytes > self.dynamic_shared:
             raise TargetError(f"{self.name}: {nbytes} B of dynamic shared memory asked, the build has {self.dynamic_shared}")
 
+    def prepare(self, grid: int, threads, args: list, cooperative: bool = True, stream=None, shared_bytes: int = 0):
+        """A call that makes this launch (``souffle.runtime.cuda.Kernel.prepare``'s interface)."""
+        return functools.partial(self.launch, grid, threads, args, cooperative, shared_bytes)
+
     def launch(self, grid: int, threads, args: list, cooperative: bool = True, shared_bytes: int = 0) -> None:
         block = tuple(threads) + (1,) * (3 - len(threads)) if isinstance(threads, tuple) else (threads, 1, 1)
         if len(args) != len(self.params):
