@@ -99,6 +99,17 @@ def check_bundle(target: Path, repeat: int, warmup: int) -> dict:
             "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "runs": len(times)}
 
 
+def timeline_bundle(target: Path, repeat: int, warmup: int) -> dict:
+    """The bundle's timeline build on this GPU (``souffle.runtime.timeline``): each segment's
+    time between grid barriers beside the model's estimate."""
+    from souffle.runtime.timeline import Timeline, measure
+
+    timeline = Timeline.load(target)
+    if timeline is None:
+        return {"timeline": "none in the bundle"}
+    return measure(Check.load(target), timeline, repeat=repeat, warmup=warmup)
+
+
 def _launch_count(launches: list):
     """One item per kernel launch of an inference, host loops unrolled."""
     for launch in launches:
@@ -139,10 +150,10 @@ def sanitize(target: Path, tool: str, timeout: float) -> dict:
 
 
 def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glob: str | None,
-        timeout: float, results: Path | None, budget_s: float) -> None:
+        timeout: float, results: Path | None, budget_s: float, timeline_glob: str | None = None) -> None:
     """Every bundle in ``directory``, each in its own process (a hang or a crash is that bundle's
-    row, not the end of the run); then compute-sanitizer, then ncu, on the bundles their globs
-    select. Nothing starts after ``budget_s`` seconds; the rows say what was not run."""
+    row, not the end of the run); then the timelines, compute-sanitizer and ncu, on the bundles
+    their globs select. Nothing starts after ``budget_s`` seconds; the rows say what was not run."""
     from souffle.runtime.ncu import profile_launches, require_ncu
 
     ncu_path = None
@@ -171,6 +182,15 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
         print(json.dumps(row), flush=True)
         common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)  # kept if the run is killed
     ran = [r for r in rows if "device" in r]
+    for row in (r for r in ran if timeline_glob and fnmatch.fnmatch(r["bundle"], timeline_glob)):
+        if time.monotonic() > deadline:
+            row["timeline"] = "not run (time budget)"
+            continue
+        code, out = _subprocess([sys.executable, __file__, "timeline", row["path"], "--repeat", "20",
+                                 "--warmup", "3"], timeout)
+        row["timeline"] = (json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
+                           if code == 0 else f"failed (exit {code}): {_tail(out)}")
+        common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)
     for row in (r for r in ran if sanitize_glob and fnmatch.fnmatch(r["bundle"], sanitize_glob)):
         for tool in SANITIZER_TOOLS:
             row.update(sanitize(Path(row["path"]), tool, timeout) if time.monotonic() < deadline
@@ -210,17 +230,34 @@ def kernels_table(rows: list[dict]) -> str:
         return fmt.format(row[key]) if key in row else missing
 
     device = next((r["device"] for r in rows if "device" in r), "no bundle ran")
+    timelines = "".join(f"\n\n{timeline_table(r['bundle'], r['timeline'])}" for r in rows if "timeline" in r)
     return f"Device: {device}\n\n" + header + "\n".join(
         f"| {r['bundle']} | {r['check']}{cell(r, 'max_abs_error', ' ({:.2g})', '')} | {cell(r, 'unwritten')} "
         f"| {cell(r, 'launches')} | {cell(r, 'grid')}{cell(r, 'blocks_per_sm', ' ({}/SM)', '')} "
         f"| {cell(r, 'median_ms', '{:.3f} ms')} | {cell(r, 'min_ms', '{:.3f} ms')} | {cell(r, 'runs')} "
         f"| {cell(r, 'racecheck')} | {cell(r, 'synccheck')} | {cell(r, 'ncu_launches')} "
-        f"| {cell(r, 'dram_read_mb', '{:.2f}')} | {cell(r, 'dram_write_mb', '{:.2f}')} |" for r in rows)
+        f"| {cell(r, 'dram_read_mb', '{:.2f}')} | {cell(r, 'dram_write_mb', '{:.2f}')} |" for r in rows) + timelines
+
+
+def timeline_table(bundle: str, timeline, top: int = 8) -> str:
+    """A bundle's slowest segments between grid barriers, measured beside estimated."""
+    if not isinstance(timeline, dict) or "segments" not in timeline:
+        return f"{bundle} timeline: {timeline}"
+    timed = [s for s in timeline["segments"] if "measured_us" in s]
+    measured = sum(s["measured_us"] for s in timed)
+    estimated = sum(s["estimate_us"] for s in timed)
+    lines = [f"{bundle} timeline: {len(timeline['segments'])} segments, stamped {timeline['stamped_us']:.1f} us "
+             f"(estimate {estimated:.1f} us for the same segments), outputs {'PASS' if timeline['passes'] else 'FAIL'}; "
+             f"the {top} slowest:", "", "| segment | stages | measured us | estimate us |", "|---|---|---|---|"]
+    for s in sorted(timed, key=lambda s: -s["measured_us"])[:top]:
+        stages = ", ".join(s["stages"][:4]) + (f" (+{len(s['stages']) - 4})" if len(s["stages"]) > 4 else "")
+        lines.append(f"| {s['segment']} | {stages or '(barrier only)'} | {s['measured_us']:.2f} | {s['estimate_us']:.2f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=("export", "run", "check", "once"))
+    parser.add_argument("step", choices=("export", "run", "check", "once", "timeline"))
     parser.add_argument("directory", type=Path)
     parser.add_argument("--models", nargs="+", default=list(models.MODELS))
     parser.add_argument("--configs", nargs="+", default=["tiny", "paper"])
@@ -230,6 +267,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--ncu", metavar="GLOB", help="also count launches and DRAM bytes with Nsight Compute "
                         "for the bundles matching GLOB (e.g. '*_paper_O4')")
+    parser.add_argument("--timeline", metavar="GLOB", help="time the stages between grid barriers of the "
+                        "bundles matching GLOB that have a timeline build (e.g. '*_paper_O4*')")
     parser.add_argument("--sanitize", metavar="GLOB", help="run compute-sanitizer racecheck and synccheck on the "
                         "bundles matching GLOB (e.g. '*_tiny_*')")
     parser.add_argument("--timeout", type=float, default=120, help="seconds one bundle's process may take")
@@ -243,8 +282,11 @@ def main() -> None:
         once(args.directory)
     elif args.step == "check":
         print(json.dumps(check_bundle(args.directory, args.repeat, args.warmup)))
+    elif args.step == "timeline":
+        print(json.dumps(timeline_bundle(args.directory, args.repeat, args.warmup)))
     else:
-        run(args.directory, args.repeat, args.warmup, args.ncu, args.sanitize, args.timeout, args.results, args.budget)
+        run(args.directory, args.repeat, args.warmup, args.ncu, args.sanitize, args.timeout, args.results, args.budget,
+            args.timeline)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
+from gpu_kernels import timeline_table
 
-TORCH_MODES = ("eager", "cuda-graph", "compile", "reduce-overhead", "max-autotune")
+TORCH_MODES = ("eager", "cuda-graph", "reduce-overhead", "compile", "max-autotune")
 BUNDLE = re.compile(r"(?P<model>[a-z]+)_(?P<config>tiny|paper)_O(?P<level>\d)(?:_(?P<precision>fp16))?$")
 
 
@@ -168,7 +169,9 @@ def main() -> None:
         "## The opt levels on the GPU",
         ablation_table(kernels, static),
         "## DRAM bytes: ncu against the static count",
-        dram_table(kernels, static)])
+        dram_table(kernels, static),
+        "## Where the persistent kernels' time goes: segments between grid barriers, measured and estimated",
+        *[timeline_table(name, r["timeline"]) for name, r in sorted(kernels.items()) if "timeline" in r]])
     payload = {"sources": {"kernels": [str(p) for p in args.kernels], "torch": args.torch},
                "command": common.command(), "machine": first["machine"], "versions": first["versions"],
                "notes": args.note, "kernels": list(kernels.values()), "static": static, "comparison": comparison,

@@ -69,7 +69,7 @@ def stage_works(staged: StagedProgram, device: DeviceModel,
                 occupancies: list[Occupancy] | None = None) -> list[StageWork]:
     """One ``StageWork`` per stage and per on-chip weight load, in program order (as
     ``codegen.traffic`` lists them); loop bodies once, with their executions."""
-    runs = _kernel_runs(staged.items)
+    runs = kernel_runs(staged.items)
     kernels = max((kernel for _, kernel, _ in runs), default=-1) + 1
     if occupancies is not None and len(occupancies) != kernels:
         raise ValueError(f"{staged.name}: {len(occupancies)} occupancies for {kernels} kernels")
@@ -101,7 +101,7 @@ def stage_seconds(stage: Stage, device: DeviceModel, traffic: StageTraffic | Non
     return estimate_stage(work, device).seconds
 
 
-def _kernel_runs(items: list) -> list[tuple[Stage | OnChip, int, int]]:
+def kernel_runs(items: list) -> list[tuple[Stage | OnChip, int, int]]:
     """(stage or on-chip load, its kernel's index, executions per inference), in program order,
     the kernels numbered as ``codegen.cuda.kernel_plan`` makes them: a new one at every item with
     a ``launch``, and after every loop the host runs (whose body's kernels come between)."""

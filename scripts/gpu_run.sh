@@ -12,8 +12,9 @@
 #
 # runs, within about SECONDS (default 480): pytest -m gpu; every bundle's outputs against
 # PyTorch's, poisoned first, and its CUDA-event times; compute-sanitizer racecheck and synccheck
-# on the tiny O4 kernels; ncu's DRAM bytes and launches on the paper O4 kernels; PyTorch eager,
-# CUDA graphs, torch.compile and torch.compile max-autotune on the same weights and inputs.
+# on the tiny O3 and O4 kernels; the paper O4 kernels' timelines (the stages between grid
+# barriers, timed) and ncu's DRAM bytes and launches; PyTorch eager, CUDA graphs, torch.compile
+# (reduce-overhead, default, max-autotune) on the same weights and inputs.
 # OUT gets device.txt, pytest_gpu.txt, gpu_kernels.{json,md}, gpu_torch.{json,md} and log.txt.
 set -u -o pipefail
 bundles=$1 out=$2 seconds=${3:-480}
@@ -35,7 +36,7 @@ SOUFFLE_GPU_ARTIFACTS=$bundles timeout 90 $python -m pytest -m gpu -q -p no:cach
 echo "== Souffle's kernels ($(left) s left)"
 timeout $(( $(left) * 6 / 10 )) $python benchmarks/gpu_kernels.py run "$bundles" --results "$out" \
     --timeout 60 --budget $(( $(left) * 5 / 10 )) --repeat 50 --warmup 10 \
-    --sanitize '*_tiny_O4' --ncu '*_paper_O4*'
+    --sanitize '*_tiny_O[34]*' --ncu '*_paper_O4*' --timeline '*_paper_O4*'
 
 echo "== PyTorch ($(left) s left)"
 timeout $(( $(left) - 10 )) $python benchmarks/gpu_torch.py "$bundles" --souffle "$out/gpu_kernels.json" \

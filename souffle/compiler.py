@@ -131,9 +131,36 @@ def export_check(name: str, config: str, directory, archs: tuple[str, ...] = ("s
     np.savez(target / EXPECTED, *models.reference(name, config, graph.weights, precision)(inputs))
     rtol, atol = models.tolerance(name, config, precision)
     (target / CHECK).write_text(json.dumps({"rtol": rtol, "atol": atol, "report": str(model.report())}))
-    (target / STATIC).write_text(json.dumps(static_figures(model), indent=1))
+    figures = static_figures(model)
+    figures["timeline"] = export_timeline(model, target, archs)
+    (target / STATIC).write_text(json.dumps(figures, indent=1))
     Check.load(target)
     return model
+
+
+def export_timeline(model: CudaModel, directory: Path, archs: tuple[str, ...]) -> str:
+    """Write the kernel's timeline build (``codegen.timeline``) beside its bundle, read by
+    ``souffle.runtime.timeline``; returns what was written, or why nothing was (a model of
+    several kernels, or one without grid barriers)."""
+    from codegen.timeline import TimelineError, instrument, segments
+    from souffle.runtime import timeline as files
+    from souffle.runtime.cuda import compile_cubin, sha256_hex
+
+    try:
+        parts = segments(model.plan, model.latency)
+        (kernel,) = model.argument_orders
+        source = instrument(model.source, kernel, len(parts))
+    except TimelineError as e:
+        return f"none: {e}"
+    cubins = {arch: compile_cubin(source, arch, (kernel,))[0] for arch in dict.fromkeys((model.device_model.arch, *archs))}
+    (directory / files.SOURCE).write_text(source)
+    for arch, cubin in cubins.items():
+        (directory / files.cubin_file(arch)).write_bytes(cubin)
+    (directory / files.TIMELINE).write_text(json.dumps({
+        "kernel": kernel, "source_sha256": sha256_hex(source.encode()),
+        "cubins": {arch: sha256_hex(cubin) for arch, cubin in cubins.items()},
+        "segments": [{"stages": list(part.stages), "estimate_us": part.estimate_seconds * 1e6} for part in parts]}))
+    return f"{files.TIMELINE}: {len(parts)} segments"
 
 
 STATIC = "static.json"  # beside a check bundle: what the compiler predicts for it, read back by the GPU report

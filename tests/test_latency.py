@@ -186,11 +186,11 @@ def test_a_scan_body_counts_once_per_trip():
 
 @pytest.mark.parametrize("level", [0, 4])
 def test_stages_belong_to_the_kernels_codegen_launches(level):
-    from codegen.latency import _kernel_runs
+    from codegen.latency import kernel_runs
     from souffle import models
 
     plan = run_passes(models.build("lstm", "tiny"), "cuda", stop="kernel_plan", device="h100", opt_level=level).ir
-    runs = _kernel_runs(plan.staged.items)
+    runs = kernel_runs(plan.staged.items)
     kernels = max(kernel for _, kernel, _ in runs) + 1
     widest = [max(item.schedule.n_tiles for item, k, _ in runs if k == kernel and hasattr(item, "schedule"))
               for kernel in range(kernels)]

@@ -114,12 +114,12 @@ class KernelArtifact:
         if not path.exists():
             raise ArtifactError(f"{directory} is not a kernel artifact: no {MANIFEST}")
         manifest = _manifest(read_json(path, "kernel artifact"), path)
-        source = _verified(directory / SOURCE, manifest["source_sha256"])
+        source = read_verified(directory / SOURCE, manifest["source_sha256"])
         try:
             text = source.decode()
         except UnicodeDecodeError as err:
             raise ArtifactError(f"{directory / SOURCE}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-        cubins = {arch: _verified(directory / cubin_file(arch), digest) for arch, digest in manifest["cubins"].items()}
+        cubins = {arch: read_verified(directory / cubin_file(arch), digest) for arch, digest in manifest["cubins"].items()}
         slots = {kind: [TensorSlot(t["name"], t["buffer"], tuple(t["shape"]), t["dtype"]) for t in manifest[kind]]
                  for kind in ("inputs", "outputs")}
         return cls(model=manifest["model"], config=manifest["config"], seed=manifest["seed"],
@@ -320,7 +320,7 @@ def read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
                             "not written by souffle") from None
 
 
-def _verified(path: Path, digest: str) -> bytes:
+def read_verified(path: Path, digest: str) -> bytes:
     data = _read(path, "kernel artifact")
     if sha256(data) != digest:
         raise ArtifactError(f"{path}: its SHA-256 is not the one {MANIFEST} records ({len(data)} bytes): the file was "

@@ -554,6 +554,28 @@ class Module:
         image = np.frombuffer(cubin, dtype=np.uint8)
         self.handle = _check(cu.cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData (a cubin on {device.arch})")
         self._finalizer = weakref.finalize(self, _unload, device, self.handle)
+        self.device = device
+
+    def _global(self, name: str) -> tuple[int, int]:
+        cu = self.device._current()
+        pointer, nbytes = _check(cu.cuModuleGetGlobal(self.handle, name.encode()), f"cuModuleGetGlobal({name!r})")
+        return int(pointer), int(nbytes)
+
+    def read_global(self, name: str, dtype, shape) -> np.ndarray:
+        """The ``__device__`` variable ``name``, read as an array of ``dtype`` and ``shape``."""
+        pointer, nbytes = self._global(name)
+        out = np.empty(shape, dtype)
+        if out.nbytes != nbytes:
+            raise TargetError(f"__device__ {name} is {nbytes} B, read as {out.nbytes} B ({shape} {np.dtype(dtype)})")
+        _check(self.device._current().cuMemcpyDtoH(out.ctypes.data, pointer, nbytes), f"cuMemcpyDtoH({name})")
+        return out
+
+    def zero_global(self, name: str, nbytes: int) -> None:
+        """Set the ``nbytes`` of the ``__device__`` variable ``name`` to zero."""
+        pointer, size = self._global(name)
+        if size != nbytes:
+            raise TargetError(f"__device__ {name} is {size} B, not {nbytes} B")
+        _check(self.device._current().cuMemsetD8(pointer, 0, nbytes), f"cuMemsetD8({name})")
 
 
 def _unload(device: Device, module) -> None:

@@ -201,9 +201,26 @@ class EmulatedDevice:
 
     def load_kernels(self, source: str, cubins: dict, names: tuple[str, ...], dynamic_shared: int) -> dict:
         library = build(source, names, dynamic_shared)
-        module = ctypes.CDLL(str(library))
-        module.souffle_emulate.restype = ctypes.c_int
+        module = EmulatedModule(ctypes.CDLL(str(library)))
+        module.cdll.souffle_emulate.restype = ctypes.c_int
         return {name: EmulatedKernel(self, module, library, source, name, dynamic_shared) for name in names}
+
+
+class EmulatedModule:
+    """An emulated build's library, with its ``__device__`` variables as the GPU's Module has them."""
+
+    def __init__(self, cdll: ctypes.CDLL):
+        self.cdll = cdll
+
+    def _global(self, name: str, nbytes: int):
+        return (ctypes.c_uint8 * nbytes).in_dll(self.cdll, name)
+
+    def read_global(self, name: str, dtype, shape) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        return np.frombuffer(bytes(self._global(name, out.nbytes)), dtype=dtype).reshape(shape).copy()
+
+    def zero_global(self, name: str, nbytes: int) -> None:
+        ctypes.memset(self._global(name, nbytes), 0, nbytes)
 
 
 class EmulatedKernel:
@@ -217,7 +234,7 @@ class EmulatedKernel:
         self.name = name
         self.dynamic_shared = dynamic_shared
         self.params = kernel_signature(source, name)
-        self.entry = getattr(module, f"souffle_entry_{name}")
+        self.entry = getattr(module.cdll, f"souffle_entry_{name}")
 
     def max_active_blocks_per_sm(self, threads: int, dynamic_smem: int = 0) -> int:
         return 1
@@ -251,7 +268,7 @@ class EmulatedKernel:
         order = ORDERS.index(self.device.order)
         seed = self.device.seed * 1_000_003 + self.device.launches
         self.device.launches += 1
-        failed = self.module.souffle_emulate(
+        failed = self.module.cdll.souffle_emulate(
             self.entry, pointers, self.name.encode(), ctypes.c_int(grid), ctypes.c_uint(block[0]),
             ctypes.c_uint(block[1]), ctypes.c_uint(block[2]), region_array, ctypes.c_int(len(names)),
             "\n".join(names).encode(), ctypes.c_int(order), ctypes.c_uint64(seed), error, ctypes.c_size_t(len(error)),

@@ -38,6 +38,9 @@ enum souffle_warp_op { SOUFFLE_SHFL_IDX, SOUFFLE_SHFL_UP, SOUFFLE_SHFL_DOWN, SOU
 #define __host__
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
+// A timeline build's stamp (codegen.timeline) touches its own __device__ variables, which are
+// no kernel buffer: the race and bounds checks are for the model's code, not the stamp's.
+#define SOUFFLE_UNCHECKED __attribute__((no_sanitize("thread", "bounds")))
 #define __launch_bounds__(...)
 // One copy per block: the runtime swaps the module's thread-local block when it switches blocks.
 #define __shared__ thread_local
