@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything a GPU run needs, exported on this machine (TVM, nvcc) and packed to travel:
+#
+#   bash scripts/gpu_export.sh DIR [PACK]
+#
+# writes bundles into DIR (benchmarks/gpu_kernels.py export: every model, tiny at O0-O4 and at
+# fp16, paper at O0-O4 and at fp16 (O4), each with static.json and, for one-kernel programs with
+# grid barriers, its timeline build), the commit into DIR/COMMIT, and packs DIR into PACK
+# (default DIR.tar.xz), which must stay under the 64 MiB a lent GPU machine is sent. Compiles
+# that were done before come from nvcc's cache. Then, on the GPU machine:
+#
+#   mkdir -p /tmp/b && tar -xJf PACK -C /tmp/b && bash scripts/gpu_run.sh /tmp/b/$(basename DIR) $OUT
+set -eu -o pipefail
+dir=$1 pack=${2:-$1.tar.xz}
+python=${PYTHON:-python}
+export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir")
+"${export[@]}" --configs tiny --levels 0 1 2 3 4
+"${export[@]}" --configs tiny --levels 4 --precisions fp16
+"${export[@]}" --configs paper --levels 0 1 2 3 4
+# EfficientNet at fp16 takes minutes to compile (its depthwise convolutions); it comes last
+"${export[@]}" --configs paper --levels 4 --precisions fp16 --models lstm bert resnext mmoe swin efficientnet
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo '+uncommitted')" > "$dir/COMMIT"
+tar -C "$(dirname "$dir")" -cf - "$(basename "$dir")" | xz -6 -T0 > "$pack"
+size=$(stat -c %s "$pack")
+echo "$pack: $((size / 1000000)) MB"
+if [ "$size" -gt $((60 * 1024 * 1024)) ]; then
+    echo "$pack is over 60 MiB: a GPU machine is sent at most 64 MiB with the tree" >&2
+    exit 1
+fi
