@@ -152,15 +152,24 @@ def export_timeline(model: CudaModel, directory: Path, archs: tuple[str, ...]) -
         source = instrument(model.source, kernel, len(parts))
     except TimelineError as e:
         return f"none: {e}"
-    cubins = {arch: compile_cubin(source, arch, (kernel,))[0] for arch in dict.fromkeys((model.device_model.arch, *archs))}
+    built = {arch: compile_cubin(source, arch, (kernel,)) for arch in dict.fromkeys((model.device_model.arch, *archs))}
+    cubins = {arch: cubin for arch, (cubin, _) in built.items()}
+    stamped = built[model.device_model.arch][1][kernel]
     (directory / files.SOURCE).write_text(source)
     for arch, cubin in cubins.items():
         (directory / files.cubin_file(arch)).write_bytes(cubin)
     (directory / files.TIMELINE).write_text(json.dumps({
         "kernel": kernel, "source_sha256": sha256_hex(source.encode()),
         "cubins": {arch: sha256_hex(cubin) for arch, cubin in cubins.items()},
+        # ptxas on the device model's arch, the kernel and its timeline build: the stamp is a call,
+        # which can move a few registers (paper LSTM: 4 B spilled in the timeline build only)
+        "resources": {"kernel": _resources(model.resources), "timeline": _resources(stamped)},
         "segments": [{"stages": list(part.stages), "estimate_us": part.estimate_seconds * 1e6} for part in parts]}))
     return f"{files.TIMELINE}: {len(parts)} segments"
+
+
+def _resources(resources) -> dict:
+    return {"registers": resources.registers, "spill_bytes": resources.spill_bytes, "stack_bytes": resources.stack_bytes}
 
 
 STATIC = "static.json"  # beside a check bundle: what the compiler predicts for it, read back by the GPU report

@@ -38,6 +38,7 @@ class Timeline:
     segments: list[dict]  # {"stages": [...], "estimate_us": float}
     source: str
     cubins: dict[str, bytes]
+    resources: dict  # ptxas' registers, spills and stack of the kernel and of this build
 
     @property
     def stamps(self) -> int:
@@ -52,14 +53,16 @@ class Timeline:
         if not path.exists():
             return None
         fields = JsonFields(path)
-        data = fields.object(read_json(path, "timeline"), "", ("kernel", "segments", "source_sha256", "cubins"))
+        data = fields.object(read_json(path, "timeline"), "",
+                             ("kernel", "segments", "source_sha256", "cubins", "resources"))
         segments = fields.list(data["segments"], "segments")
         for i, segment in enumerate(segments):
             fields.object(segment, f"segments[{i}]", ("stages", "estimate_us"))
         source = read_verified(directory / SOURCE, fields.digest(data["source_sha256"], "source_sha256")).decode()
         cubins = {arch: read_verified(directory / cubin_file(arch), fields.digest(digest, f"cubins.{arch}"))
                   for arch, digest in fields.mapping(data["cubins"], "cubins").items()}
-        return cls(fields.string(data["kernel"], "kernel"), segments, source, cubins)
+        return cls(fields.string(data["kernel"], "kernel"), segments, source, cubins,
+                   fields.mapping(data["resources"], "resources"))
 
 
 def measure(check: Check, timeline: Timeline, repeat: int = 20, warmup: int = 3, device=None) -> dict:
@@ -93,5 +96,5 @@ def measure(check: Check, timeline: Timeline, repeat: int = 20, warmup: int = 3,
             row["measured_us"] = statistics.median(float(s[k, 0]) for s in stamped) / 1e3
             row["cycles"] = statistics.median(int(s[k, 1]) for s in stamped)
         rows.append(row)
-    return {"passes": check.passes(results), "runs": len(samples), "segments": rows,
+    return {"passes": check.passes(results), "runs": len(samples), "segments": rows, "resources": timeline.resources,
             "stamped_us": statistics.median(float(s[-1, 0] - s[0, 0]) for s in samples) / 1e3}
