@@ -132,6 +132,11 @@ def _subprocess(command: list[str], timeout: float) -> tuple[int | None, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+def _last_json(output: str) -> dict:
+    """The last line of a step's output that is a JSON object: torch may warn on stderr after it."""
+    return json.loads(next(line for line in reversed(output.splitlines()) if line.startswith("{")))
+
+
 def _tail(text: str, lines: int = 6) -> str:
     return " / ".join(text.strip().splitlines()[-lines:])
 
@@ -165,14 +170,18 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
             ncu_missing = str(e)
     deadline = time.monotonic() + budget_s
     rows = []
+
+    def save():  # after every row: a run stopped at its time limit keeps what it measured
+        common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)
+
     for target in sorted(p for p in directory.iterdir() if (p / "manifest.json").exists()):
         if time.monotonic() > deadline:
             rows.append({"bundle": target.name, "check": "NOT RUN (time budget)"})
             continue
         code, out = _subprocess([sys.executable, __file__, "check", str(target), "--repeat", str(repeat),
                                  "--warmup", str(warmup)], timeout)
-        if code == 0:  # the row is the last line that is JSON: torch may warn on stderr after it
-            row = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith('{"model"')))
+        if code == 0:
+            row = _last_json(out)
         else:
             row = {"bundle": target.name,
                    "check": "HANG (killed after %d s)" % timeout if code is None else f"ERROR (exit {code})",
@@ -180,7 +189,7 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
         row["path"] = str(target)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)  # kept if the run is killed
+        save()
     ran = [r for r in rows if "device" in r]
     for row in (r for r in ran if timeline_glob and fnmatch.fnmatch(r["bundle"], timeline_glob)):
         if time.monotonic() > deadline:
@@ -188,15 +197,14 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
             continue
         code, out = _subprocess([sys.executable, __file__, "timeline", row["path"], "--repeat", "20",
                                  "--warmup", "3"], timeout)
-        row["timeline"] = (json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
-                           if code == 0 else f"failed (exit {code}): {_tail(out)}")
-        common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)
+        row["timeline"] = _last_json(out) if code == 0 else f"failed (exit {code}): {_tail(out)}"
+        save()
     for row in (r for r in ran if sanitize_glob and fnmatch.fnmatch(r["bundle"], sanitize_glob)):
         for tool in SANITIZER_TOOLS:
             row.update(sanitize(Path(row["path"]), tool, timeout) if time.monotonic() < deadline
                        else {tool: "not run (time budget)"})
         print(row["bundle"], {t: row[t] for t in SANITIZER_TOOLS}, flush=True)
-        common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)
+        save()
     for row in (r for r in ran if ncu and fnmatch.fnmatch(r["bundle"], ncu)):
         if ncu_path is None:
             row["ncu"] = f"not run: {ncu_missing}"
@@ -215,7 +223,7 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
             row["ncu"] = f"failed: {_tail(str(e))}"
         print(row["bundle"], {k: row.get(k) for k in ("ncu_launches", "dram_read_mb", "dram_write_mb", "ncu")},
               flush=True)
-        common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)
+        save()
     common.publish("gpu_kernels", rows, kernels_table(rows), ("numpy", "cuda-bindings", "torch"),
                    f"CUDA events, {warmup} warm-up runs, median of {repeat}; outputs poisoned (0xFF) before each check",
                    results)
