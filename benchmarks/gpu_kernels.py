@@ -22,12 +22,16 @@ benchmarks/results) as gpu_kernels.{json,md}, rewritten after every row.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
+import fcntl
 import fnmatch
 import json
 import os
 import re
 import statistics
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -75,15 +79,37 @@ def once(target: Path) -> None:
     Launcher(check.artifact).run(check.inputs, poison=True)
 
 
-def check_bundle(target: Path, repeat: int, warmup: int) -> dict:
+def check_bundle(target: Path, repeat: int, warmup: int, lock: Path | None = None) -> dict:
     """One bundle on this GPU: outputs (poisoned first) against PyTorch's, then ``repeat`` timed
-    inferences; the row ``run`` collects."""
+    inferences; the row ``run`` collects. With ``lock``, the GPU work waits for an exclusive lock
+    on that file, so bundles can load and rebuild their weights side by side while one at a time
+    uses the GPU (and its times are its own)."""
     from souffle.runtime.cuda import Device
 
-    device = Device()
     check = Check.load(target)
     artifact = check.artifact
-    launcher = Launcher(artifact, device=device)
+    weights = artifact.weight_arrays()
+    with _exclusive(lock):
+        device = Device()
+        launcher = Launcher(artifact, device=device, weight_arrays=weights)
+        return _checked(target, check, launcher, repeat, warmup)
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path | None):
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _checked(target: Path, check: Check, launcher: Launcher, repeat: int, warmup: int) -> dict:
+    artifact, device = check.artifact, launcher.device
     outputs = launcher.run(check.inputs, poison=True)
     errors, ok = check.errors(outputs), check.passes(outputs)
     unwritten = sum(int(np.isnan(output).sum()) for output in outputs if output.dtype.kind == "f")
@@ -155,10 +181,13 @@ def sanitize(target: Path, tool: str, timeout: float) -> dict:
 
 
 def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glob: str | None,
-        timeout: float, results: Path | None, budget_s: float, timeline_glob: str | None = None) -> None:
+        timeout: float, results: Path | None, budget_s: float, timeline_glob: str | None = None,
+        jobs: int = 1) -> None:
     """Every bundle in ``directory``, each in its own process (a hang or a crash is that bundle's
     row, not the end of the run); then the timelines, compute-sanitizer and ncu, on the bundles
-    their globs select. Nothing starts after ``budget_s`` seconds; the rows say what was not run."""
+    their globs select. Nothing starts after ``budget_s`` seconds; the rows say what was not run.
+    ``jobs`` bundles are checked at once, their GPU work one at a time (``check_bundle``'s lock):
+    a paper model's weights take seconds to rebuild on the CPU, its checks a fraction of that."""
     from souffle.runtime.ncu import profile_launches, require_ncu
 
     ncu_path = None
@@ -174,22 +203,24 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
     def save():  # after every row: a run stopped at its time limit keeps what it measured
         common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)
 
-    for target in sorted(p for p in directory.iterdir() if (p / "manifest.json").exists()):
+    lock = Path(tempfile.mkdtemp()) / "gpu.lock"
+
+    def check(target: Path) -> dict:
         if time.monotonic() > deadline:
-            rows.append({"bundle": target.name, "check": "NOT RUN (time budget)"})
-            continue
+            return {"bundle": target.name, "check": "NOT RUN (time budget)", "path": str(target)}
         code, out = _subprocess([sys.executable, __file__, "check", str(target), "--repeat", str(repeat),
-                                 "--warmup", str(warmup)], timeout)
+                                 "--warmup", str(warmup), "--lock", str(lock)], timeout)
         if code == 0:
-            row = _last_json(out)
-        else:
-            row = {"bundle": target.name,
-                   "check": "HANG (killed after %d s)" % timeout if code is None else f"ERROR (exit {code})",
-                   "error": _tail(out)}
-        row["path"] = str(target)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        save()
+            return {**_last_json(out), "path": str(target)}
+        return {"bundle": target.name, "path": str(target), "error": _tail(out),
+                "check": "HANG (killed after %d s)" % timeout if code is None else f"ERROR (exit {code})"}
+
+    targets = sorted(p for p in directory.iterdir() if (p / "manifest.json").exists())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for row in pool.map(check, targets):  # in order; up to ``jobs`` processes prepare at once
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            save()
     ran = [r for r in rows if "device" in r]
     for row in (r for r in ran if timeline_glob and fnmatch.fnmatch(r["bundle"], timeline_glob)):
         if time.monotonic() > deadline:
@@ -280,6 +311,8 @@ def main() -> None:
     parser.add_argument("--sanitize", metavar="GLOB", help="run compute-sanitizer racecheck and synccheck on the "
                         "bundles matching GLOB (e.g. '*_tiny_*')")
     parser.add_argument("--timeout", type=float, default=120, help="seconds one bundle's process may take")
+    parser.add_argument("--jobs", type=int, default=1, help="bundles prepared at once (their GPU work one at a time)")
+    parser.add_argument("--lock", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no bundle starts")
     parser.add_argument("--results", type=Path, default=None, help="where the JSON and markdown go "
                         "(default benchmarks/results)")
@@ -289,12 +322,12 @@ def main() -> None:
     elif args.step == "once":
         once(args.directory)
     elif args.step == "check":
-        print(json.dumps(check_bundle(args.directory, args.repeat, args.warmup)))
+        print(json.dumps(check_bundle(args.directory, args.repeat, args.warmup, args.lock)))
     elif args.step == "timeline":
         print(json.dumps(timeline_bundle(args.directory, args.repeat, args.warmup)))
     else:
         run(args.directory, args.repeat, args.warmup, args.ncu, args.sanitize, args.timeout, args.results, args.budget,
-            args.timeline)
+            args.timeline, args.jobs)
 
 
 if __name__ == "__main__":

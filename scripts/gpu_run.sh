@@ -35,7 +35,7 @@ SOUFFLE_GPU_ARTIFACTS=$bundles timeout 90 $python -m pytest -m gpu -q -p no:cach
 
 echo "== Souffle's kernels ($(left) s left)"
 timeout $(( $(left) * 6 / 10 )) $python benchmarks/gpu_kernels.py run "$bundles" --results "$out" \
-    --timeout 60 --budget $(( $(left) * 5 / 10 )) --repeat 50 --warmup 10 \
+    --timeout 90 --jobs 4 --budget $(( $(left) * 5 / 10 )) --repeat 50 --warmup 10 \
     --sanitize '*_tiny_O[34]*' --ncu '*_paper_O4*' --timeline '*_paper_O4*'
 
 echo "== PyTorch ($(left) s left)"

@@ -132,7 +132,7 @@ def test_run_without_a_gpu_makes_each_failure_a_row_and_writes_the_results(tmp_p
     error, not the end of the run; one not started within the budget says so."""
     _export(tmp_path / "bundles", "--models", "mmoe", "--configs", "tiny", "--levels", "0", "4")
     done = subprocess.run([sys.executable, str(SCRIPT), "run", str(tmp_path / "bundles"), "--results",
-                           str(tmp_path), "--timeout", "120", "--ncu", "*", "--sanitize", "*"],
+                           str(tmp_path), "--timeout", "120", "--ncu", "*", "--sanitize", "*", "--jobs", "2"],
                           capture_output=True, text=True, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_kernels.json").read_text())["results"]

@@ -174,7 +174,8 @@ class Launcher:
     the kernels: ``souffle.runtime.cuda.Device`` loads cubins, ``souffle.runtime.emulated``'s
     device builds the source to run on the CPU."""
 
-    def __init__(self, artifact: KernelArtifact, model_weights: dict | None = None, device=None):
+    def __init__(self, artifact: KernelArtifact, model_weights: dict | None = None, device=None,
+                 weight_arrays: dict | None = None):
         from souffle.runtime import cuda as rt
 
         self.artifact = artifact
@@ -196,7 +197,9 @@ class Launcher:
                                   f"at least {launch['min_grid']} blocks, but only {grid} fit")
             self.grids[launch["kernel"]] = grid
             self.per_sm[launch["kernel"]] = per_sm
-        self.resident = {name: self.device.upload(value) for name, value in artifact.weight_arrays(model_weights).items()}
+        if weight_arrays is None:  # ``artifact.weight_arrays(model_weights)``, when already rebuilt
+            weight_arrays = artifact.weight_arrays(model_weights)
+        self.resident = {name: self.device.upload(value) for name, value in weight_arrays.items()}
         for name, (dtype, elements) in artifact.arenas.items():
             self.resident[name] = self.device.alloc(max(elements, 1) * np.dtype(dtype).itemsize)
 
