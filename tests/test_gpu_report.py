@@ -74,7 +74,7 @@ def test_the_report_sets_estimate_and_counted_bytes_beside_the_measurements(tmp_
                            "--results", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr
     md = (tmp_path / "gpu_test.md").read_text()
-    assert "| mmoe_paper_O4 | 0.11 | 0.06 | 0.00 | 0.00 | 0.06 |" in md
+    assert "| mmoe_paper_O4 | 0.11 | - | 0.06 | 0.00 | - | 0.00 | 0.06 |" in md
     assert "| mmoe | paper | fp32 | 1.000 (108; -) | not run | not run | not run | 0.025 (1; 0.007) |" in md
     assert "3.12x (cuda-graph)" in md
     payload = json.loads((tmp_path / "gpu_test.json").read_text())
