@@ -16,7 +16,7 @@ those loads, writes may be absorbed by L2 and overwritten before eviction, and a
 widened to (``exact`` is False for such stages). ``compulsory_bytes`` is the floor every
 schedule pays: weights, model inputs and outputs, each moved once. ``l2_traffic`` replays the
 same accesses through an LRU L2: on the H200 its DRAM reads came within 15% of ncu's where the
-counts are exact (paper LSTM, MMoE, ResNeXt, EfficientNet and Swin at O4).
+counts are exact (paper LSTM, ResNeXt, EfficientNet and Swin at O4; MMoE's 0.1 MB within 0.05).
 """
 
 from __future__ import annotations
