@@ -47,7 +47,7 @@ from codegen.schedule import MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
 from codegen.tensor_core import FRAGMENT
 from codegen.tensor_core import VECTOR as TENSOR_CORE_VECTOR
-from codegen.traffic import StageTraffic, compulsory_bytes, memory_traffic, stage_traffic
+from codegen.traffic import StageTraffic, Traffic, compulsory_bytes, memory_traffic, stage_traffic
 
 # Steps of a register-accumulated reduction whose loads one thread has in flight at once: nvcc 13
 # unrolls the k loop of a thread_reduce dense with a register accumulator by 8, every load of the
@@ -58,15 +58,16 @@ SHUFFLE_ROUNDS = int(math.log2(WARP)) + 1  # TVM's warp all-reduce: 5 shfl_down 
 
 
 def latency_estimate(staged: StagedProgram, device: DeviceModel,
-                     occupancies: list[Occupancy] | None = None) -> LatencyEstimate:
-    """``staged`` estimated on ``device`` (``analysis.latency``); ``occupancies``: each kernel's, from ptxas."""
-    return estimate_program(staged.name, stage_works(staged, device, occupancies),
+                     occupancies: list[Occupancy] | None = None, traffic: Traffic | None = None) -> LatencyEstimate:
+    """``staged`` estimated on ``device`` (``analysis.latency``); ``occupancies``: each kernel's,
+    from ptxas; ``traffic``: ``memory_traffic(staged)``, where the caller has it already."""
+    return estimate_program(staged.name, stage_works(staged, device, occupancies, traffic),
                             staged.barrier_count(executed=True), staged.kernel_count(executed=True),
                             compulsory_bytes(staged), device)
 
 
 def stage_works(staged: StagedProgram, device: DeviceModel,
-                occupancies: list[Occupancy] | None = None) -> list[StageWork]:
+                occupancies: list[Occupancy] | None = None, traffic: Traffic | None = None) -> list[StageWork]:
     """One ``StageWork`` per stage and per on-chip weight load, in program order (as
     ``codegen.traffic`` lists them); loop bodies once, with their executions."""
     runs = kernel_runs(staged.items)
@@ -78,9 +79,9 @@ def stage_works(staged: StagedProgram, device: DeviceModel,
         occupancies = [_estimated_occupancy(items, staged.threads, device) for items in members]
     grids = [min(occupancy.grid, max(s.schedule.n_tiles for s in items if isinstance(s, Stage)))
              for occupancy, items in zip(occupancies, members)]
-    traffic = memory_traffic(staged).stages
+    rows = (traffic or memory_traffic(staged)).stages
     works = []
-    for (item, kernel, executions), row in zip(runs, traffic):
+    for (item, kernel, executions), row in zip(runs, rows):
         shape = (grids[kernel], occupancies[kernel].blocks_per_sm)
         if isinstance(item, OnChip):
             works.append(_load_work(item, executions, staged.threads, *shape, row.bytes_read))

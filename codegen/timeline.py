@@ -6,7 +6,7 @@ leaving barrier k-1 and barrier k is what the stages between them took on the sl
 plus the barrier. ``instrument`` makes a variant of the kernel's source in which block 0's
 first thread stamps ``%globaltimer`` (nanoseconds) and ``clock64()`` (its SM's cycles) when
 the kernel starts and after every grid barrier, into ``__device__`` arrays the host reads back
-(``souffle.runtime.artifact.read_timeline``); ``segments`` lists, for the same program, which
+(``souffle.runtime.timeline.measure``); ``segments`` lists, for the same program, which
 stages each segment holds and what the latency model estimates for it, in execution order
 (loops unrolled), so the two can be set side by side stage by stage.
 """

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -147,10 +148,11 @@ def l2_traffic(staged: StagedProgram, l2_bytes: int, traffic: Traffic | None = N
         out = []
         for item in items:
             if isinstance(item, Loop):
-                loads = [(next(rows), [_Place(load.source, loop_vars)], None) for load in item.loads]
-                out.append((item.trips, loads, program(item.items, loop_vars + (item.var,))))
+                loads = [_Access(next(rows), [_Place(load.source, loop_vars)], None) for load in item.loads]
+                out.append(_Repeat(item.trips, loads, program(item.items, loop_vars + (item.var,))))
             else:
-                out.append((next(rows), [_Place(ref, loop_vars) for ref in item.reads], _Place(item.write, loop_vars)))
+                out.append(_Access(next(rows), [_Place(ref, loop_vars) for ref in item.reads],
+                                   _Place(item.write, loop_vars)))
         return out
 
     cache: OrderedDict[tuple, list] = OrderedDict()  # (tensor, offset) -> [bytes held, dirty], least recent first
@@ -174,22 +176,36 @@ def l2_traffic(staged: StagedProgram, l2_bytes: int, traffic: Traffic | None = N
     def run(steps: list, trips: tuple) -> None:
         nonlocal read
         for step in steps:
-            if len(step) == 3 and isinstance(step[0], int):
-                count, loads, body = step
-                run(loads, trips)
-                for trip in range(count):
-                    run(body, trips + (trip,))
+            if isinstance(step, _Repeat):
+                run(step.loads, trips)
+                for trip in range(step.trips):
+                    run(step.body, trips + (trip,))
                 continue
-            row, places, output = step
-            for (_, nbytes), place in zip(row.reads, places):
+            for (_, nbytes), place in zip(step.row.reads, step.reads):
                 key = place.key(trips)
                 read += max(0, nbytes - (cache[key][0] if key in cache else 0))
                 touch(key, nbytes, False)
-            if output is not None:
-                touch(output.key(trips), row.bytes_written, True)
+            if step.write is not None:
+                touch(step.write.key(trips), step.row.bytes_written, True)
 
     run(program(staged.items, ()), ())
     return L2Traffic(l2_bytes, read, written)
+
+
+class _Access(NamedTuple):
+    """One stage (or on-chip load) of ``l2_traffic``'s replay: its counted bytes and places."""
+
+    row: StageTraffic
+    reads: list  # a _Place per read, in ``row.reads`` order
+    write: _Place | None  # None for an on-chip load, which writes only shared memory
+
+
+class _Repeat(NamedTuple):
+    """A loop of ``l2_traffic``'s replay: its on-chip loads once, then its body ``trips`` times."""
+
+    trips: int
+    loads: list
+    body: list
 
 
 class _Place:

@@ -53,7 +53,15 @@ class CudaModel(CompiledModel):
         from codegen.latency import latency_estimate
 
         occupancies = [self.kernel_occupancy[name] for name in self.kernel_plan.kernel_names]
-        return latency_estimate(self.plan, self.device_model, occupancies)
+        return latency_estimate(self.plan, self.device_model, occupancies, self.traffic)
+
+    @functools.cached_property
+    def traffic(self):
+        """``codegen.traffic.memory_traffic`` of the kernels' program: counted once, for the
+        estimate and for whoever else asks (isl counts take seconds on paper Swin)."""
+        from codegen.traffic import memory_traffic
+
+        return memory_traffic(self.plan)
 
     def artifact(self, config: str | None = None, seed: int = 0, archs: tuple[str, ...] = ()) -> KernelArtifact:
         """The kernel as a TVM-free artifact (``souffle.runtime.artifact``), with cubins for
