@@ -25,8 +25,14 @@ tiles. One execution of the stage takes the largest of five times:
 - L2: every tile's global loads at sector granularity, each sector once per tile (L1 keeps a
   tile's reuse), plus every global store (L1 writes through to L2), at
   ``DeviceModel.l2_bandwidth``;
-- DRAM: the stage's distinct bytes (``codegen.traffic``, an upper bound: L2 may hold some), at
-  most what its loads request (a gather's read relation spans the whole table it indexes).
+- DRAM: the stage's bytes that miss L2 (``codegen.traffic.l2_traffic``: its distinct bytes less
+  what earlier stages left in L2, plus the dirty bytes its accesses evict), at most what its
+  loads request (a gather's read relation spans the whole table it indexes).
+
+Where ``WARPS_TO_SATURATE`` is set, L1, L2 and DRAM reach those throughputs only with enough
+warps waiting on them: an SM with fewer warps of working blocks gets that share of its L1, and
+the GPU that share of L2 and DRAM (one block of 8 warps per SM, the LSTM's with its weights on
+chip: a quarter at 32).
 
 Which of them is the largest is the stage's ``bound``. The whole model adds every stage's time
 times its executions (scan bodies run once per trip), ``GRID_SYNC_SECONDS`` per grid barrier
@@ -57,6 +63,18 @@ L2_HIT_CYCLES = 200
 DRAM_CYCLES = 400
 ON_CHIP_STEP_CYCLES = 30  # a warp shuffle round, taken as an L1 hit's latency (an assumption)
 BLOCK_BARRIER_CYCLES = 30  # a __syncthreads once every warp has arrived (an assumption)
+# Warps an SM needs resident to keep its memory pipelines busy, or None to take every stage at
+# its throughputs whatever its occupancy. With fewer, each warp waits on its own loads and L1, L2
+# and DRAM serve a share warps / WARPS_TO_SATURATE of their peak (Little's law: the bytes in
+# flight are what the resident warps asked for). On the H200's 59 measured kernels 32 (half an
+# SM's 64 warp slots) orders the opt levels as measured in 77 of 84 pairs against 73 without it,
+# measured over estimated 1.62 at the median against 3.08 (benchmarks/results/latency_vs_h200.md
+# and latency_vs_h200_warps32.md: paper LSTM O3 and O4, BERT and ResNeXt O2 and O4 the right way
+# round), but it also moves the schedules codegen.stage picks
+# (small GEMMs from dlight's matmul to thread_reduce, BERT's tensor-core tiles from 128 to 64
+# wide) to kernels no GPU has timed: it stays off until a GPU run of both
+# (benchmarks/gpu_kernels.py export --variants occupancy) says which schedules are faster.
+WARPS_TO_SATURATE: int | None = None
 # A cooperative-groups grid barrier: every block's arrival on a global counter and a spin on it, a
 # few L2 round trips plus the wait for the slowest block. 2 us is an assumption, not a measurement
 # (Zhang et al., "A Study of Single and Multi-device Synchronization Methods in Nvidia GPUs",
@@ -150,6 +168,11 @@ def estimate_stage(work: StageWork, device: DeviceModel) -> StageEstimate:
     clock = device.clock_hz
     working_blocks = min(work.n_tiles, work.grid)
     blocks_on_sm = -(-working_blocks // device.sms)
+    warps_per_block = -(-work.threads // device.warp_size)
+    sm_share = gpu_share = 1.0
+    if WARPS_TO_SATURATE:
+        sm_share = min(1.0, blocks_on_sm * warps_per_block / WARPS_TO_SATURATE)
+        gpu_share = min(1.0, working_blocks * warps_per_block / (device.sms * WARPS_TO_SATURATE))
     tiles_on_sm = -(-work.n_tiles // min(device.sms, work.grid))
     chain = (work.memory_steps * load_latency_cycles(work, device) + work.on_chip_steps * ON_CHIP_STEP_CYCLES
              + work.block_barriers * BLOCK_BARRIER_CYCLES)
@@ -166,9 +189,9 @@ def estimate_stage(work: StageWork, device: DeviceModel) -> StageEstimate:
     times = {
         "latency": latency,
         "fp": fp,
-        "l1": tiles_on_sm * l1_clocks / clock,
-        "l2": work.n_tiles * (work.l2_read_bytes + stores * SECTOR_BYTES) / device.l2_bandwidth,
-        "dram": work.dram_bytes / device.mem_bandwidth,
+        "l1": tiles_on_sm * l1_clocks / clock / sm_share,
+        "l2": work.n_tiles * (work.l2_read_bytes + stores * SECTOR_BYTES) / device.l2_bandwidth / gpu_share,
+        "dram": work.dram_bytes / device.mem_bandwidth / gpu_share,
     }
     seconds = max(times.values())
     # the peak of the stage's dtype: FMA for float32, tensor cores for float16 (the goal's peaks)

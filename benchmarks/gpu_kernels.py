@@ -7,7 +7,8 @@ here and run there (``scripts/gpu_run.sh`` does the whole GPU side):
     python benchmarks/gpu_kernels.py run DIR [--repeat 100] [--warmup 10] [--sanitize GLOB] [--ncu GLOB]   # on the GPU
 
 ``export`` compiles each model for target cuda at each opt level (default the compiler's, O4)
-and precision, and writes one bundle per combination (``bert_paper_O4``, ``bert_paper_O4_fp16``):
+and precision, and writes one bundle per combination (``bert_paper_O4``, ``bert_paper_O4_fp16``;
+with ``--variant NAME``, a variant of the compiler from ``gpu_variants``: ``bert_paper_O4+NAME``):
 the kernel artifact (cubins for sm_80 and the device model's arch, the source, the call, the
 weight recipes), seeded inputs, PyTorch's outputs at that precision and ``static.json``.
 ``run`` needs only numpy and cuda-python (torch where a model's seeded weights need it): each
@@ -41,6 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
+from gpu_variants import SEPARATOR, VARIANTS, applied
 
 from souffle import models
 from souffle.errors import TargetError
@@ -48,23 +50,25 @@ from souffle.runtime.artifact import Launcher
 from souffle.runtime.check import Check
 
 
-def bundle_name(name: str, config: str, level: int | None, precision: str) -> str:
-    """``bert_tiny_O4`` (fp32), ``bert_paper_O4_fp16``; no level: the compiler's default."""
+def bundle_name(name: str, config: str, level: int | None, precision: str, variant: str | None = None) -> str:
+    """``bert_tiny_O4`` (fp32), ``bert_paper_O4_fp16``, ``lstm_paper_O4+no-on-chip`` (a
+    ``gpu_variants`` variant); no level: the compiler's default."""
     return (f"{name}_{config}" + ("" if level is None else f"_O{level}")
-            + ("" if precision == "fp32" else f"_{precision}"))
+            + ("" if precision == "fp32" else f"_{precision}") + ("" if variant is None else f"{SEPARATOR}{variant}"))
 
 
 def export_all(directory: Path, names: list[str], configs: list[str], levels: list[int] | None,
-               precisions: list[str]) -> None:
+               precisions: list[str], variant: str | None = None) -> None:
     from souffle.compiler import export_check  # the compiler: on the exporting machine only
 
     for config in configs:
         for name in names:
             for precision in precisions:
                 for level in levels or [None]:
-                    target = directory / bundle_name(name, config, level, precision)
+                    target = directory / bundle_name(name, config, level, precision, variant)
                     started = time.perf_counter()
-                    model = export_check(name, config, target, opt_level=level, precision=precision)
+                    with applied(variant) if variant else contextlib.nullcontext():
+                        model = export_check(name, config, target, opt_level=level, precision=precision)
                     print(f"{target}: {model.kernel_count} kernels, {model.plan.stage_count()} stages, "
                           f"{model.plan.barrier_count()} barriers ({time.perf_counter() - started:.0f} s)", flush=True)
 
@@ -180,12 +184,20 @@ def sanitize(target: Path, tool: str, timeout: float) -> dict:
     return {tool: counted, **({f"{tool}_log": _tail(out, 12)} if counted else {})}
 
 
+def prioritized(targets: list[Path], first: list[str]) -> list[Path]:
+    """``targets`` with those whose names match the globs of ``first`` ahead, in the globs' order."""
+    rank = {t: next((k for k, glob in enumerate(first) if fnmatch.fnmatch(t.name, glob)), len(first)) for t in targets}
+    return sorted(targets, key=lambda t: rank[t])
+
+
 def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glob: str | None,
         timeout: float, results: Path | None, budget_s: float, timeline_glob: str | None = None,
-        jobs: int = 1) -> None:
+        jobs: int = 1, first: list[str] = (), check_budget_s: float | None = None) -> None:
     """Every bundle in ``directory``, each in its own process (a hang or a crash is that bundle's
     row, not the end of the run); then the timelines, compute-sanitizer and ncu, on the bundles
-    their globs select. Nothing starts after ``budget_s`` seconds; the rows say what was not run.
+    their globs select. Nothing starts after ``budget_s`` seconds, no check after
+    ``check_budget_s`` (so that the timelines and profilers get the rest); the rows say what was
+    not run. Bundles matching the globs of ``first`` are checked first, in their order.
     ``jobs`` bundles are checked at once, their GPU work one at a time (``check_bundle``'s lock):
     a paper model's weights take seconds to rebuild on the CPU, its checks a fraction of that."""
     from souffle.runtime.ncu import profile_launches, require_ncu
@@ -198,6 +210,7 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
             print(e, flush=True)
             ncu_missing = str(e)
     deadline = time.monotonic() + budget_s
+    checks_deadline = min(deadline, time.monotonic() + (budget_s if check_budget_s is None else check_budget_s))
     rows = []
 
     def save():  # after every row: a run stopped at its time limit keeps what it measured
@@ -206,7 +219,7 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
     lock = Path(tempfile.mkdtemp()) / "gpu.lock"
 
     def check(target: Path) -> dict:
-        if time.monotonic() > deadline:
+        if time.monotonic() > checks_deadline:
             return {"bundle": target.name, "check": "NOT RUN (time budget)", "path": str(target)}
         code, out = _subprocess([sys.executable, __file__, "check", str(target), "--repeat", str(repeat),
                                  "--warmup", str(warmup), "--lock", str(lock)], timeout)
@@ -215,7 +228,7 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
         return {"bundle": target.name, "path": str(target), "error": _tail(out),
                 "check": "HANG (killed after %d s)" % timeout if code is None else f"ERROR (exit {code})"}
 
-    targets = sorted(p for p in directory.iterdir() if (p / "manifest.json").exists())
+    targets = prioritized(sorted(p for p in directory.iterdir() if (p / "manifest.json").exists()), first)
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         for row in pool.map(check, targets):  # in order; up to ``jobs`` processes prepare at once
             rows.append(row)
@@ -302,6 +315,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["tiny", "paper"])
     parser.add_argument("--levels", nargs="+", type=int, default=None, help="opt levels to export (default: O4)")
     parser.add_argument("--precisions", nargs="+", default=["fp32"], help="precisions to export (fp32, fp16)")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), help="export: compile with this variant of the "
+                        "compiler (benchmarks/gpu_variants.py), bundles named BASE+VARIANT")
     parser.add_argument("--repeat", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--ncu", metavar="GLOB", help="also count launches and DRAM bytes with Nsight Compute "
@@ -313,12 +328,16 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120, help="seconds one bundle's process may take")
     parser.add_argument("--jobs", type=int, default=1, help="bundles prepared at once (their GPU work one at a time)")
     parser.add_argument("--lock", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no bundle starts")
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which nothing starts")
+    parser.add_argument("--check-budget", type=float, default=None, help="seconds after which no bundle's check "
+                        "starts (default: --budget), leaving the rest to the timelines, sanitizers and ncu")
+    parser.add_argument("--first", nargs="+", default=[], metavar="GLOB",
+                        help="check the bundles matching these globs first, in this order")
     parser.add_argument("--results", type=Path, default=None, help="where the JSON and markdown go "
                         "(default benchmarks/results)")
     args = parser.parse_args()
     if args.step == "export":
-        export_all(args.directory, args.models, args.configs, args.levels, args.precisions)
+        export_all(args.directory, args.models, args.configs, args.levels, args.precisions, args.variant)
     elif args.step == "once":
         once(args.directory)
     elif args.step == "check":
@@ -327,7 +346,7 @@ def main() -> None:
         print(json.dumps(timeline_bundle(args.directory, args.repeat, args.warmup)))
     else:
         run(args.directory, args.repeat, args.warmup, args.ncu, args.sanitize, args.timeout, args.results, args.budget,
-            args.timeline, args.jobs)
+            args.timeline, args.jobs, args.first, args.check_budget)
 
 
 if __name__ == "__main__":

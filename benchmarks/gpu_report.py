@@ -10,7 +10,8 @@ with the fields only a later file has (a later run's ncu columns) added. ``--tor
 row for the same bundle and mode replaces an earlier one. ``--bundles``: the exported bundles,
 whose ``static.json`` (``souffle.compiler.static_figures``) gives the estimate and static bytes.
 Writes ``NAME.json`` and ``NAME.md``: every kernel's check, Souffle against each PyTorch mode,
-the opt levels' ablation, and DRAM bytes measured against counted.
+the opt levels' ablation, the compiler variants beside their base, and DRAM bytes measured against
+counted.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 from gpu_kernels import timeline_table
+from gpu_variants import VARIANTS, split
 
 TORCH_MODES = ("eager", "cuda-graph", "reduce-overhead", "compile", "max-autotune")
 BUNDLE = re.compile(r"(?P<model>[a-z]+)_(?P<config>tiny|paper)_O(?P<level>\d)(?:_(?P<precision>fp16))?$")
@@ -125,6 +127,30 @@ def ablation_table(kernels: dict[str, dict], static: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def variants_table(kernels: dict[str, dict], static: dict[str, dict]) -> str:
+    """Each compiler variant's bundle (``gpu_variants``) beside its base: the question it asks,
+    both times and estimates, and the variant's speedup (over 1: the variant is faster)."""
+    lines = ["| bundle | variant | check | base ms (grid, blocks/SM) | variant ms (grid, blocks/SM) "
+             "| variant speedup | base estimate ms | variant estimate ms |", "|---|---|---|---|---|---|---|---|"]
+    questions = []
+    for name, r in sorted(kernels.items()):
+        base, variant = split(name)
+        if variant is None:
+            continue
+        question = VARIANTS[variant].question if variant in VARIANTS else "(not a known variant)"
+        if f"- {variant}: {question}" not in questions:
+            questions.append(f"- {variant}: {question}")
+        mine, theirs = r.get("median_ms"), kernels.get(base, {}).get("median_ms")
+        speedup = f"{theirs / mine:.2f}x" if mine and theirs else "-"
+
+        def timed(row):
+            return f"{_ms(row.get('median_ms'))} ({row.get('grid', '-')}, {row.get('blocks_per_sm', '-')})" if row else "not run"
+
+        lines.append(f"| {base} | {variant} | {r['check']} | {timed(kernels.get(base))} | {timed(r)} | {speedup} "
+                     f"| {_ms(static.get(base, {}).get('estimate_ms'))} | {_ms(static.get(name, {}).get('estimate_ms'))} |")
+    return "\n".join(questions + [""] + lines) if questions else "No variant was run."
+
+
 def dram_table(kernels: dict[str, dict], static: dict[str, dict]) -> str:
     lines = ["| bundle | DRAM read MB (ncu) | read MB (L2 model) | read MB (counted) | DRAM write MB (ncu) "
              "| write MB (L2 model) | write MB (counted) | compulsory MB |", "|---|---|---|---|---|---|---|---|"]
@@ -172,6 +198,8 @@ def main() -> None:
         kernels_table(kernels, static),
         "## The opt levels on the GPU",
         ablation_table(kernels, static),
+        "## Compiler variants beside their base (benchmarks/gpu_variants.py)",
+        variants_table(kernels, static),
         "## DRAM bytes: ncu against the static counts",
         "Counted: every stage's operands and output at their distinct bytes, an upper bound. L2 model "
         "(codegen.traffic.l2_traffic): the same accesses replayed in order through an LRU L2 of the device "

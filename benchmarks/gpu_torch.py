@@ -4,7 +4,8 @@ kernels are compared with (issue "On a GPU").
     python benchmarks/gpu_torch.py DIR [--bundles GLOB ...] [--modes eager cuda-graph ...] [--budget S]
 
 For each bundle in DIR that ``--bundles`` matches (default ``*_O4*``; several globs are taken in
-their order, the paper models first within each) (``benchmarks/gpu_kernels.py export``) the model's torch module
+their order, the paper models first within each; a compiler variant's bundle, ``BASE+VARIANT``,
+is PyTorch's base bundle again and is left out) (``benchmarks/gpu_kernels.py export``) the model's torch module
 (``souffle.models.<name>.torch_module``) is built from the same seeded weights, moved to the GPU
 and run on the bundle's inputs, at the bundle's precision (fp16: ``torch.autocast("cuda")``):
 
@@ -36,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
+from gpu_variants import SEPARATOR
 
 from souffle import models
 from souffle.runtime.check import Check
@@ -197,7 +199,7 @@ def main() -> None:
     paths = []
     for pattern in args.bundles:
         paths += [p for p in sorted(args.directory.glob(pattern), key=lambda p: ("_paper_" not in p.name, p.name))
-                  if (p / "manifest.json").exists() and p not in paths]
+                  if (p / "manifest.json").exists() and p not in paths and SEPARATOR not in p.name]
     souffle = {}
     if args.souffle and args.souffle.exists():
         souffle = {r["bundle"]: r for r in json.loads(args.souffle.read_text())["results"]}

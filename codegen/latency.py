@@ -18,7 +18,10 @@ Per stage, from its template, tiles and epilogue:
   is taken as one sector per lane. A weight kept on chip (``Stage.on_chip``) is a shared-memory
   load;
 - the sectors one tile reads from L2, each once (isl, on the stage's read relations: the middle
-  tile's footprint), and the stage's DRAM bytes (``codegen.traffic``).
+  tile's footprint), and the stage's DRAM bytes: in a program, what ``codegen.traffic.l2_traffic``
+  leaves of its counted bytes behind an L2 of the device's size (the operands a stage before it
+  left in L2 are not read from DRAM, its output is written back only when evicted); a stage
+  alone (``stage_seconds``), its counted bytes.
 
 A stage scheduled by dlight's matmul rule is read off the rule's configuration instead
 (``_matmul_work``), one on tensor cores off its tile (``_tensor_core_work``), the only
@@ -31,6 +34,7 @@ does before ptxas runs (``stage_registers``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import islpy as isl
 import numpy as np
@@ -47,7 +51,8 @@ from codegen.schedule import MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
 from codegen.tensor_core import FRAGMENT
 from codegen.tensor_core import VECTOR as TENSOR_CORE_VECTOR
-from codegen.traffic import StageTraffic, Traffic, compulsory_bytes, memory_traffic, stage_traffic
+from codegen.traffic import (L2Traffic, StageTraffic, Traffic, compulsory_bytes, l2_traffic, memory_traffic,
+                             stage_traffic)
 
 # Steps of a register-accumulated reduction whose loads one thread has in flight at once: nvcc 13
 # unrolls the k loop of a thread_reduce dense with a register accumulator by 8, every load of the
@@ -57,17 +62,33 @@ SHARED_BANKS = 32  # four-byte shared-memory banks (CUDA C++ Programming Guide, 
 SHUFFLE_ROUNDS = int(math.log2(WARP)) + 1  # TVM's warp all-reduce: 5 shfl_down rounds, then one shfl broadcast
 
 
+class Dram(NamedTuple):
+    """A stage's DRAM bytes per execution: per read (``Stage.reads`` order; an on-chip load's
+    one source) and written."""
+
+    reads: tuple[float, ...]
+    written: float
+
+    @classmethod
+    def counted(cls, row: StageTraffic) -> Dram:
+        """The counted bytes, as though no stage before it left anything in L2."""
+        return cls(tuple(n for _, n in row.reads), row.bytes_written)
+
+
 def latency_estimate(staged: StagedProgram, device: DeviceModel,
-                     occupancies: list[Occupancy] | None = None, traffic: Traffic | None = None) -> LatencyEstimate:
+                     occupancies: list[Occupancy] | None = None, traffic: Traffic | None = None,
+                     behind_l2: L2Traffic | None = None) -> LatencyEstimate:
     """``staged`` estimated on ``device`` (``analysis.latency``); ``occupancies``: each kernel's,
-    from ptxas; ``traffic``: ``memory_traffic(staged)``, where the caller has it already."""
-    return estimate_program(staged.name, stage_works(staged, device, occupancies, traffic),
+    from ptxas; ``traffic``: ``memory_traffic(staged)`` and ``behind_l2`` its ``l2_traffic`` on
+    ``device``, where the caller has them already."""
+    return estimate_program(staged.name, stage_works(staged, device, occupancies, traffic, behind_l2),
                             staged.barrier_count(executed=True), staged.kernel_count(executed=True),
                             compulsory_bytes(staged), device)
 
 
 def stage_works(staged: StagedProgram, device: DeviceModel,
-                occupancies: list[Occupancy] | None = None, traffic: Traffic | None = None) -> list[StageWork]:
+                occupancies: list[Occupancy] | None = None, traffic: Traffic | None = None,
+                behind_l2: L2Traffic | None = None) -> list[StageWork]:
     """One ``StageWork`` per stage and per on-chip weight load, in program order (as
     ``codegen.traffic`` lists them); loop bodies once, with their executions."""
     runs = kernel_runs(staged.items)
@@ -79,26 +100,30 @@ def stage_works(staged: StagedProgram, device: DeviceModel,
         occupancies = [_estimated_occupancy(items, staged.threads, device) for items in members]
     grids = [min(occupancy.grid, max(s.schedule.n_tiles for s in items if isinstance(s, Stage)))
              for occupancy, items in zip(occupancies, members)]
-    rows = (traffic or memory_traffic(staged)).stages
+    traffic = traffic or memory_traffic(staged)
+    if behind_l2 is None or behind_l2.l2_bytes != device.l2_bytes:
+        behind_l2 = l2_traffic(staged, device.l2_bytes, traffic)
     works = []
-    for (item, kernel, executions), row in zip(runs, rows):
+    for (item, kernel, executions), reads, written in zip(runs, behind_l2.stage_reads, behind_l2.stage_writes):
         shape = (grids[kernel], occupancies[kernel].blocks_per_sm)
+        dram = Dram(tuple(n / executions for n in reads), written / executions)
         if isinstance(item, OnChip):
-            works.append(_load_work(item, executions, staged.threads, *shape, row.bytes_read))
+            works.append(_load_work(item, executions, staged.threads, *shape, round(sum(dram.reads))))
         else:
-            works.append(_stage_work(item, executions, *shape, row))
+            works.append(_stage_work(item, executions, *shape, dram))
     return works
 
 
 def stage_seconds(stage: Stage, device: DeviceModel, traffic: StageTraffic | None = None) -> float:
     """One execution of ``stage`` alone on ``device``, on the grid its own registers and shared
     memory allow: how ``codegen.stage`` compares a stage's candidate schedules before the
-    program around it (its kernel's grid, its on-chip weights) exists. ``traffic``: the
-    stage's ``stage_traffic``, which its schedule does not change (computed when not given)."""
+    program around it (its kernel's grid, its on-chip weights, what L2 holds) exists: its DRAM
+    bytes are the counted ones. ``traffic``: the stage's ``stage_traffic``, which its schedule
+    does not change (computed when not given)."""
     schedule = stage.schedule
     occupancy = co_resident_grid(stage_registers(stage), schedule.shared_bytes, device, schedule.threads)
     work = _stage_work(stage, 1, min(occupancy.grid, schedule.n_tiles), occupancy.blocks_per_sm,
-                       traffic or stage_traffic(stage))
+                       Dram.counted(traffic or stage_traffic(stage)))
     return estimate_stage(work, device).seconds
 
 
@@ -200,16 +225,16 @@ def _size(tensor: te.Tensor) -> int:
     return math.prod(int(d) for d in tensor.shape)
 
 
-def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, traffic: StageTraffic) -> StageWork:
+def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dram: Dram) -> StageWork:
     """What one execution of ``stage`` makes the GPU do (see the module docstring). Its bytes
     from L2 and DRAM are at most what its loads request: a gather's read relation spans the whole
     table it indexes (``codegen.traffic``), its loads only the rows they fetch."""
     schedule = stage.schedule
     threads, template = schedule.threads, schedule.template
     if template == "matmul":
-        return _matmul_work(stage, executions, grid, blocks_per_sm, traffic)
+        return _matmul_work(stage, executions, grid, blocks_per_sm, dram)
     if template == "tensor_core":
-        return _tensor_core_work(stage, executions, grid, blocks_per_sm, traffic)
+        return _tensor_core_work(stage, executions, grid, blocks_per_sm, dram)
     warps = threads // WARP
     tile = schedule.n_tiles // 2
     holders = {p.op: k for k, p in enumerate(stage.placeholders)}
@@ -288,11 +313,11 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, tr
         flops=flops, tensor_core=False, gemm=_is_gemm(reduction), memory_steps=memory_steps,
         on_chip_steps=on_chip_steps, block_barriers=barriers, accesses=tuple(accesses),
         l2_read_bytes=sum(min(_tile_read_bytes(stage, k, tile), asked) for k, asked in global_reads),
-        dram_bytes=sum(min(traffic.reads[k][1], asked * schedule.n_tiles) for k, asked in global_reads)
-        + traffic.bytes_written, block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
+        dram_bytes=round(sum(min(dram.reads[k], asked * schedule.n_tiles) for k, asked in global_reads)
+                         + dram.written), block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
 
 
-def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, traffic: StageTraffic) -> StageWork:
+def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dram: Dram) -> StageWork:
     """One execution of a stage dlight's matmul rule schedules (``codegen.schedule.matmul_stage``),
     from its configuration rather than from the TE's indices: a tile of ``rows x cols`` outputs
     (``WARP`` lanes x ``MATMUL_VTHREADS x MATMUL_MICRO[0]`` rows by ``threads / WARP`` warps x
@@ -300,12 +325,13 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, t
     copies its share of both operands' slices (``rows + cols`` rows of the chunk) from global to
     shared memory, ``MATMUL_VECTOR`` elements per instruction, coalesced along the reduction; the
     block synchronizes; then for each term each thread loads its rows' values of one
-    operand and ``MATMUL_MICRO[1] / MATMUL_VECTOR`` vectors of the other from shared memory and
-    issues its FMAs; and synchronizes again before the next chunk overwrites the slices. A
-    warp's loads of the row operand hit the same shared-memory banks from several lanes (the
-    conflict degree from the padded row stride), its loads of the column operand are one
-    address broadcast to the warp; the results are stored from registers once, a warp's lanes on
-    ``WARP`` rows (one sector each)."""
+    operand and ``MATMUL_MICRO[1]`` values of the other from shared memory (4 terms per 128-bit
+    load where the padded slice rows allow) and issues its FMAs; and synchronizes again before
+    the next chunk overwrites the slices. A warp's loads of the row operand hit the same
+    shared-memory banks from several lanes (the conflict degree from the padded row stride), its
+    loads of the column operand are one address broadcast to the warp; the results are stored
+    from registers once, one element per lane and instruction, a warp's lanes on ``WARP`` rows
+    (one sector each)."""
     schedule = stage.schedule
     reduction = _reduction(stage)
     warps = schedule.threads // WARP
@@ -320,28 +346,39 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, t
     # common factor with the 32 four-byte banks is how many lanes share a bank (1 at 17 words,
     # 8 at dlight's default 4 x 18)
     row_words = (MATMUL_K_CHUNK + MATMUL_VECTOR) * itemsize // 4
-    conflict = math.gcd(MATMUL_MICRO[0] * row_words, SHARED_BANKS)
+    stride = MATMUL_MICRO[0] * row_words
     row_loads = MATMUL_VTHREADS * MATMUL_MICRO[0]
+    # nvcc unrolls a chunk's terms, and where a slice row starts on 16 bytes loads 4 consecutive
+    # float32 terms of it with one 128-bit instruction (checked with cuobjdump on a 384 x 3072 x
+    # 768 dense, sm_90: 32 LDS.128 per 256 FFMA with rows of 20 words, against 43 narrower loads
+    # per 128 FFMA with rows of 17). A 128-bit load is served 8 lanes (128 bytes) at a time: 4
+    # wavefronts, times the lanes of 8 whose 16 bytes share banks.
+    if itemsize == 4 and row_words % 4 == 0 and MATMUL_K_CHUNK % 4 == 0:
+        k_vector = 4
+        groups = len({stride * lane % SHARED_BANKS // 4 for lane in range(8)})
+        row_sectors = 4 * (8 // groups) * L1_SECTORS_PER_CLOCK
+    else:
+        k_vector = 1
+        row_sectors = math.gcd(stride, SHARED_BANKS) * L1_SECTORS_PER_CLOCK
     accesses = (MemoryAccess("operand slices", "load", "global", copies, vector_sectors),
                 MemoryAccess("operand slices", "store", "shared", copies, vector_sectors),
-                MemoryAccess("row operand", "load", "shared", warps * terms * row_loads,
-                             conflict * L1_SECTORS_PER_CLOCK),
-                MemoryAccess("column operand", "load", "shared", warps * terms * (MATMUL_MICRO[1] // MATMUL_VECTOR), 1),
-                MemoryAccess(stage.tensor.op.name, "store", "global", -(-rows * cols // (WARP * MATMUL_VECTOR)), WARP))
+                MemoryAccess("row operand", "load", "shared", warps * terms * row_loads // k_vector, row_sectors),
+                MemoryAccess("column operand", "load", "shared", warps * terms * MATMUL_MICRO[1] // k_vector, 1),
+                MemoryAccess(stage.tensor.op.name, "store", "global", -(-rows * cols // WARP), WARP))
     flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
-    read_bytes = sum(read for _, read in traffic.reads)
+    read_bytes = sum(dram.reads)
     return StageWork(
         name=stage.name, template="matmul", dtype=str(stage.tensor.dtype), executions=executions,
         n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
         blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=False, gemm=True, memory_steps=chunks,
         on_chip_steps=terms, block_barriers=2 * chunks, accesses=accesses,
         l2_read_bytes=(rows + cols) * chunks * MATMUL_K_CHUNK * itemsize,
-        dram_bytes=min(read_bytes, (rows + cols) * chunks * MATMUL_K_CHUNK * itemsize * schedule.n_tiles)
-        + traffic.bytes_written, block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
+        dram_bytes=round(min(read_bytes, (rows + cols) * chunks * MATMUL_K_CHUNK * itemsize * schedule.n_tiles)
+                         + dram.written), block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
 
 
 def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int,
-                      traffic: StageTraffic) -> StageWork:
+                      dram: Dram) -> StageWork:
     """One execution of a stage on tensor cores (``codegen.tensor_core``), from its tile: per
     chunk of ``depth`` terms every thread copies its share of both operands' slices (``rows +
     columns`` rows) from global to shared memory, ``VECTOR`` halves per instruction; the block
@@ -374,14 +411,14 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
                 MemoryAccess(stage.tensor.op.name, "store", "global", stores,
                              max(1, WARP * TENSOR_CORE_VECTOR * out // SECTOR_BYTES)))
     flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
-    read_bytes = sum(read for _, read in traffic.reads)
+    read_bytes = sum(dram.reads)
     slices = (rows + cols) * chunks * tile.depth * half
     return StageWork(
         name=stage.name, template="tensor_core", dtype="float16", executions=executions,
         n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
         blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=True, gemm=True, memory_steps=chunks + 1,
         on_chip_steps=steps + 2, block_barriers=2 * chunks + 2, accesses=accesses, l2_read_bytes=slices,
-        dram_bytes=min(read_bytes, slices * schedule.n_tiles) + traffic.bytes_written,
+        dram_bytes=round(min(read_bytes, slices * schedule.n_tiles) + dram.written),
         block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
 
 

@@ -59,9 +59,9 @@ from souffle.passes import Outcome
 # use more than any of their stages (paper configs: MMoE 40, BERT 64, LSTM 80-94, ResNeXt 128
 # and spilling), as values stay live across stages: the estimate is a floor, used only to decide
 # the partition before ptxas runs; the compiled kernel's grid comes from ptxas' figure.
-# matmul (dlight's rule, 16 accumulators per thread): 64 on sm_90 for two 128-row dense stages
-# (tests/test_matmul_stage.py's kernel), no spills.
-REGISTER_ESTIMATES = {"elementwise": 32, "thread_reduce": 32, "warp_reduce": 64, "matmul": 64}
+# matmul (dlight's rule, 16 accumulators per thread, 128-bit shared loads): 80 on sm_90 and sm_80
+# for two dense stages (tests/test_matmul_stage.py's kernel) and for a 384 x 3072 x 768 dense, no spills.
+REGISTER_ESTIMATES = {"elementwise": 32, "thread_reduce": 32, "warp_reduce": 64, "matmul": 80}
 # tensor_core (wmma fragments): each thread holds its share of the block tile's float32
 # accumulators (rows x columns / threads registers) on top of a base for its operand fragments and
 # addresses, TENSOR_CORE_BASE_REGISTERS, fitted to ptxas on sm_90 (tests/test_tensor_core.py).

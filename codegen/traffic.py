@@ -124,11 +124,22 @@ def memory_traffic(staged: StagedProgram) -> Traffic:
 
 @dataclass(frozen=True)
 class L2Traffic:
-    """The DRAM bytes of one inference with an L2 of ``l2_bytes`` in front of DRAM."""
+    """The DRAM bytes of one inference with an L2 of ``l2_bytes`` in front of DRAM, in all and
+    per row of ``Traffic.stages`` (every execution of the row together)."""
 
     l2_bytes: int
-    read_bytes: int  # operand bytes not in L2 when a stage reads them
-    write_bytes: int  # written bytes evicted from L2 before the kernels end
+    stage_reads: tuple[tuple[int, ...], ...]  # per row, per read: bytes not in L2 when the stage read them
+    stage_writes: tuple[int, ...]  # per row: dirty bytes its accesses evicted (its writes or others')
+
+    @property
+    def read_bytes(self) -> int:
+        """Operand bytes not in L2 when a stage reads them."""
+        return sum(map(sum, self.stage_reads))
+
+    @property
+    def write_bytes(self) -> int:
+        """Written bytes evicted from L2 before the kernels end."""
+        return sum(self.stage_writes)
 
 
 def l2_traffic(staged: StagedProgram, l2_bytes: int, traffic: Traffic | None = None) -> L2Traffic:
@@ -140,61 +151,64 @@ def l2_traffic(staged: StagedProgram, l2_bytes: int, traffic: Traffic | None = N
     kept. Whole tensors are the unit, at the bytes a stage touches of them, and nothing is kept
     across inferences (ncu flushes the caches before each launch). This is the upper bound's
     counterpart: what a perfect LRU L2 would leave; real L2s split into partitions and keep less.
+    A write-back is charged to the stage whose access evicts it: the write happens while it runs.
     """
     traffic = traffic or memory_traffic(staged)
-    rows = iter(traffic.stages)
+    rows = iter(enumerate(traffic.stages))
 
     def program(items: list, loop_vars: tuple) -> list:
         out = []
         for item in items:
             if isinstance(item, Loop):
-                loads = [_Access(next(rows), [_Place(load.source, loop_vars)], None) for load in item.loads]
+                loads = [_Access(*next(rows), [_Place(load.source, loop_vars)], None) for load in item.loads]
                 out.append(_Repeat(item.trips, loads, program(item.items, loop_vars + (item.var,))))
             else:
-                out.append(_Access(next(rows), [_Place(ref, loop_vars) for ref in item.reads],
+                out.append(_Access(*next(rows), [_Place(ref, loop_vars) for ref in item.reads],
                                    _Place(item.write, loop_vars)))
         return out
 
     cache: OrderedDict[tuple, list] = OrderedDict()  # (tensor, offset) -> [bytes held, dirty], least recent first
-    held = read = written = 0
+    held = 0
+    reads = [[0] * len(row.reads) for row in traffic.stages]
+    writes = [0] * len(traffic.stages)
 
-    def touch(key: tuple, nbytes: int, dirty: bool) -> None:
-        nonlocal held, written
+    def touch(index: int, key: tuple, nbytes: int, dirty: bool) -> None:
+        nonlocal held
         size, was_dirty = cache.pop(key, (0, False))
         held -= size
         size, dirty = max(size, nbytes), was_dirty or dirty
         if size > l2_bytes:  # streams through: written back at once, kept for nothing
-            written += size if dirty else 0
+            writes[index] += size if dirty else 0
             return
         cache[key] = [size, dirty]
         held += size
         while held > l2_bytes:
             _, (size, dirty) = cache.popitem(last=False)
             held -= size
-            written += size if dirty else 0
+            writes[index] += size if dirty else 0
 
     def run(steps: list, trips: tuple) -> None:
-        nonlocal read
         for step in steps:
             if isinstance(step, _Repeat):
                 run(step.loads, trips)
                 for trip in range(step.trips):
                     run(step.body, trips + (trip,))
                 continue
-            for (_, nbytes), place in zip(step.row.reads, step.reads):
+            for k, ((_, nbytes), place) in enumerate(zip(step.row.reads, step.reads)):
                 key = place.key(trips)
-                read += max(0, nbytes - (cache[key][0] if key in cache else 0))
-                touch(key, nbytes, False)
+                reads[step.index][k] += max(0, nbytes - (cache[key][0] if key in cache else 0))
+                touch(step.index, key, nbytes, False)
             if step.write is not None:
-                touch(step.write.key(trips), step.row.bytes_written, True)
+                touch(step.index, step.write.key(trips), step.row.bytes_written, True)
 
     run(program(staged.items, ()), ())
-    return L2Traffic(l2_bytes, read, written)
+    return L2Traffic(l2_bytes, tuple(map(tuple, reads)), tuple(writes))
 
 
 class _Access(NamedTuple):
     """One stage (or on-chip load) of ``l2_traffic``'s replay: its counted bytes and places."""
 
+    index: int  # of ``row`` in ``Traffic.stages``
     row: StageTraffic
     reads: list  # a _Place per read, in ``row.reads`` order
     write: _Place | None  # None for an on-chip load, which writes only shared memory

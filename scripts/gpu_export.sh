@@ -5,7 +5,8 @@
 #
 # writes bundles into DIR (benchmarks/gpu_kernels.py export: every model, tiny at O0-O4 and at
 # fp16, paper at O0-O4 and at fp16 (O4), each with static.json and, for one-kernel programs with
-# grid barriers, its timeline build), the commit into DIR/COMMIT, and packs DIR into PACK
+# grid barriers, its timeline build; and the compiler variants of benchmarks/gpu_variants.py,
+# each beside its base), the commit into DIR/COMMIT, and packs DIR into PACK
 # (default DIR.tar.xz), which must stay under the 64 MiB a lent GPU machine is sent. Compiles
 # that were done before come from nvcc's cache. Then, on the GPU machine:
 #
@@ -19,6 +20,11 @@ export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir"
 "${export[@]}" --configs paper --levels 0 1 2 3 4
 # EfficientNet at fp16 takes minutes to compile (its depthwise convolutions); it comes last
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models lstm bert resnext mmoe swin efficientnet
+# compiler variants (benchmarks/gpu_variants.py), each timed beside its base: what the H200 run asked
+"${export[@]}" --configs tiny paper --levels 4 --models lstm --variant no-on-chip
+"${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert resnext swin --variant two-blocks
+"${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models bert resnext swin --variant occupancy
+"${export[@]}" --configs paper --levels 4 --models efficientnet --variant occupancy
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo '+uncommitted')" > "$dir/COMMIT"
 tar -C "$(dirname "$dir")" -cf - "$(basename "$dir")" | xz -6 -T0 > "$pack"
 size=$(stat -c %s "$pack")

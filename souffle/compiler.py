@@ -179,10 +179,7 @@ def static_figures(model: CudaModel) -> dict:
     """The static model's figures for ``model``'s kernels, to set beside a GPU's measurements:
     the latency estimate and roofline bound on the device model it was compiled for, and the
     global-memory bytes one inference reads and writes (an upper bound on DRAM traffic)."""
-    from codegen.traffic import l2_traffic
-
-    estimate, traffic = model.latency, model.traffic
-    behind_l2 = l2_traffic(model.plan, model.device_model.l2_bytes, traffic)
+    estimate, traffic, behind_l2 = model.latency, model.traffic, model.behind_l2
     return {"device": estimate.device.name, "estimate_ms": estimate.seconds * 1e3,
             "roofline_ms": estimate.roofline_seconds * 1e3, "launches": estimate.launches,
             "grid_barriers": estimate.grid_barriers, "read_bytes": traffic.read_bytes,

@@ -53,7 +53,7 @@ class CudaModel(CompiledModel):
         from codegen.latency import latency_estimate
 
         occupancies = [self.kernel_occupancy[name] for name in self.kernel_plan.kernel_names]
-        return latency_estimate(self.plan, self.device_model, occupancies, self.traffic)
+        return latency_estimate(self.plan, self.device_model, occupancies, self.traffic, self.behind_l2)
 
     @functools.cached_property
     def traffic(self):
@@ -62,6 +62,14 @@ class CudaModel(CompiledModel):
         from codegen.traffic import memory_traffic
 
         return memory_traffic(self.plan)
+
+    @functools.cached_property
+    def behind_l2(self):
+        """``codegen.traffic.l2_traffic`` of ``traffic`` behind the device model's L2: the DRAM
+        bytes the estimate charges each stage."""
+        from codegen.traffic import l2_traffic
+
+        return l2_traffic(self.plan, self.device_model.l2_bytes, self.traffic)
 
     def artifact(self, config: str | None = None, seed: int = 0, archs: tuple[str, ...] = ()) -> KernelArtifact:
         """The kernel as a TVM-free artifact (``souffle.runtime.artifact``), with cubins for

@@ -144,3 +144,11 @@ def test_run_without_a_gpu_makes_each_failure_a_row_and_writes_the_results(tmp_p
     assert skipped.returncode == 0, skipped.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_kernels.json").read_text())["results"]
     assert [r["check"] for r in rows] == ["NOT RUN (time budget)"] * 2
+    # --first puts the bundles its globs match ahead; --check-budget stops the checks alone
+    first = subprocess.run([sys.executable, str(SCRIPT), "run", str(tmp_path / "bundles"), "--results",
+                            str(tmp_path), "--first", "*_O4", "--check-budget", "0", "--budget", "600"],
+                           capture_output=True, text=True, cwd=ROOT, check=False)
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_kernels.json").read_text())["results"]
+    assert [(r["bundle"], r["check"]) for r in rows] == [("mmoe_tiny_O4", "NOT RUN (time budget)"),
+                                                         ("mmoe_tiny_O0", "NOT RUN (time budget)")]

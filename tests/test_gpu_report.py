@@ -79,3 +79,19 @@ def test_the_report_sets_estimate_and_counted_bytes_beside_the_measurements(tmp_
     assert "3.12x (cuda-graph)" in md
     payload = json.loads((tmp_path / "gpu_test.json").read_text())
     assert payload["static"]["mmoe_paper_O4"]["read_bytes"] == 60848
+
+
+def test_a_variant_is_set_beside_its_base_with_its_question():
+    """A compiler variant's bundle (benchmarks/gpu_variants.py) against its base: both times,
+    the variant's speedup, and what timing it asks; a variant whose base did not run says so."""
+    from gpu_variants import VARIANTS
+
+    kernels = {"lstm_paper_O4": _kernel("lstm_paper_O4", median_ms=1.5),
+               "lstm_paper_O4+no-on-chip": _kernel("lstm_paper_O4+no-on-chip", median_ms=1.0, grid=792,
+                                                   blocks_per_sm=6),
+               "bert_paper_O4_fp16+two-blocks": _kernel("bert_paper_O4_fp16+two-blocks", median_ms=1.8)}
+    table = gpu_report.variants_table(kernels, {"lstm_paper_O4+no-on-chip": {"estimate_ms": 0.7}})
+    assert f"- no-on-chip: {VARIANTS['no-on-chip'].question}" in table
+    assert "| lstm_paper_O4 | no-on-chip | PASS | 1.500 (132, 1) | 1.000 (792, 6) | 1.50x | - | 0.700 |" in table
+    assert "| bert_paper_O4_fp16 | two-blocks | PASS | not run | 1.800 (132, 1) | - | - | - |" in table
+    assert gpu_report.variants_table({"lstm_paper_O4": kernels["lstm_paper_O4"]}, {}) == "No variant was run."

@@ -22,6 +22,7 @@ from analysis.latency import (
 import codegen.schedule
 from codegen.latency import latency_estimate, stage_seconds, stage_works
 from codegen.schedule import schedule_candidates
+from codegen.traffic import memory_traffic
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
 
@@ -51,22 +52,22 @@ def dense_works():
 
 def test_matmul_stage_facts_by_hand():
     """The same dense layer as dlight's matmul rule schedules it at O4 (relu and bias in its
-    epilogue): tiles of 128 x 32 outputs, K walked 16 terms at a time through shared memory."""
+    epilogue): tiles of 64 x 64 outputs, K walked 16 terms at a time through shared memory."""
     (work,) = stage_works(run_passes(_dense(), "cuda", stop="plan_arena", device="h100", opt_level=4).ir, H100)
-    assert (work.template, work.n_tiles, work.threads, work.active_threads) == ("matmul", (M // 128) * (N // 32), 256, 256)
+    assert (work.template, work.n_tiles, work.threads, work.active_threads) == ("matmul", (M // 64) * (N // 64), 256, 256)
     assert work.gemm and work.flops == 2 * M * N * K + M * N
     chunks = K // 16
-    copies = (128 + 32) * K // 32  # both slices of every chunk, a float per lane
-    # lane i holds rows i, i + 32, i + 64, i + 96: at one term the lanes read rows one apart,
-    # padded to 17 floats, each on its own bank (one wavefront); the column operand is one
-    # address per warp (a broadcast)
-    assert work.accesses == (MemoryAccess("operand slices", "load", "global", copies, 4),
-                             MemoryAccess("operand slices", "store", "shared", copies, 4),
-                             MemoryAccess("row operand", "load", "shared", 8 * K * 4, 4),
-                             MemoryAccess("column operand", "load", "shared", 8 * K * 4, 1),
-                             MemoryAccess("compute", "store", "global", 128 * 32 // 32, 32))
+    copies = (64 + 64) * K // (32 * 4)  # both slices of every chunk, 4 floats (16 sectors a warp) per lane
+    # lane i holds rows i and i + 32, padded to 20 floats: nvcc loads 4 terms of a row at once, 8
+    # lanes' 16 bytes on 8 distinct groups of 4 banks (4 wavefronts); the column operand's 8 values
+    # are one address per warp (a broadcast), also 4 terms a load; the 64 x 64 results one per lane
+    assert work.accesses == (MemoryAccess("operand slices", "load", "global", copies, 16),
+                             MemoryAccess("operand slices", "store", "shared", copies, 16),
+                             MemoryAccess("row operand", "load", "shared", 8 * K * 2 // 4, 16),
+                             MemoryAccess("column operand", "load", "shared", 8 * K * 8 // 4, 1),
+                             MemoryAccess("compute", "store", "global", 64 * 64 // 32, 32))
     assert (work.memory_steps, work.on_chip_steps, work.block_barriers) == (chunks, K, 2 * chunks)
-    assert work.l2_read_bytes == (128 + 32) * K * 4
+    assert work.l2_read_bytes == (64 + 64) * K * 4
 
 
 def test_h100_is_a_device_everywhere_a_name_is():
@@ -91,7 +92,20 @@ def test_dense_stage_facts_by_hand(dense_works):
     assert work.memory_steps == K // 8 + 1
     # the middle tile (256: row m = 256, n = 0..255) touches x's row, all of w, all of b, once each
     assert work.l2_read_bytes == K * 4 + N * K * 4 + N * 4
-    assert work.dram_bytes == (M * K + N * K + N) * 4 + M * N * 4
+    # DRAM: every operand once; the 512 KB output stays in the 50 MB L2 (written back after the kernel)
+    assert work.dram_bytes == (M * K + N * K + N) * 4
+
+
+def test_dram_bytes_are_what_l2_leaves():
+    """A stage's DRAM bytes are ``codegen.traffic.l2_traffic``'s for it: at O2 the bias and
+    activation read the matmul's output from L2 and their own output stays there, so they move
+    only the bias from DRAM; behind an L2 of 0 bytes every stage moves all it counts."""
+    staged = run_passes(_dense(), "cuda", stop="plan_arena", device="h100", opt_level=2).ir
+    dense, act = stage_works(staged, H100)
+    assert (dense.dram_bytes, act.dram_bytes) == ((M * K + N * K) * 4, N * 4)
+    no_l2 = dataclasses.replace(H100, l2_bytes=0)
+    counted = memory_traffic(staged).stages
+    assert [w.dram_bytes for w in stage_works(staged, no_l2)] == [r.bytes_read + r.bytes_written for r in counted]
 
 
 def test_dense_estimate_by_hand(dense_works):
@@ -201,8 +215,8 @@ def test_stages_belong_to_the_kernels_codegen_launches(level):
 def test_each_stage_takes_the_schedule_the_model_estimates_fastest(m, n, k, fastest):
     """A GEMM stage has two schedules (``codegen.schedule.schedule_candidates``): dlight's
     matmul and its own template. 512 x 256 x 128 is faster as 32 matmul tiles; 128 x 96 x 16 is
-    three tiles of 128 x 32 outputs, which leave all but three SMs idle, and takes
-    thread_reduce's 48 tiles of one output per thread."""
+    four tiles of 64 x 64 outputs, which leave all but four SMs idle, and takes thread_reduce's
+    48 tiles of one output per thread."""
     device = get_device("h200")
     b = GraphBuilder("gemm")
     x = b.input("x", (m, k))
@@ -213,3 +227,22 @@ def test_each_stage_takes_the_schedule_the_model_estimates_fastest(m, n, k, fast
                   schedule_candidates(stage.tensor, stage.placeholders, True, stage.schedule.threads, stage.epilogue)]
     assert sorted(c.schedule.template for c in candidates) == ["matmul", "thread_reduce"]
     assert stage_seconds(stage, device) == min(stage_seconds(c, device) for c in candidates)
+
+
+def test_warps_to_saturate_scales_memory_throughput_by_the_warps_resident(dense_works, monkeypatch):
+    """analysis.latency.WARPS_TO_SATURATE (off by default): a stage whose SMs hold one block of 8
+    warps gets a quarter of L1, L2 and DRAM at 32; one with 4 blocks on its busiest SM all of its L1."""
+    import analysis.latency
+
+    (work,) = dense_works[4]
+    one_block = dataclasses.replace(work, grid=132)  # 512 tiles on 132 blocks: 1 working block per SM
+    off = {w: estimate_stage(w, H100).times for w in (work, one_block)}
+    monkeypatch.setattr(analysis.latency, "WARPS_TO_SATURATE", 32)
+    on = {w: estimate_stage(w, H100).times for w in (work, one_block)}
+    # ceil(512 / 132) = 4 blocks of 8 warps on the busiest SM: all of its L1; 512 blocks of 8 warps
+    # on the GPU, against the 132 x 32 warps that saturate L2 and DRAM
+    assert on[work]["l1"] == off[work]["l1"]
+    assert on[work]["l2"] == pytest.approx(off[work]["l2"] * 132 * 32 / (512 * 8))
+    for part in ("l1", "l2", "dram"):
+        assert on[one_block][part] == pytest.approx(4 * off[one_block][part])
+    assert (on[one_block]["latency"], on[one_block]["fp"]) == (off[one_block]["latency"], off[one_block]["fp"])

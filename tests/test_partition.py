@@ -56,21 +56,29 @@ def paper():
 
 
 @pytest.mark.parametrize("name", models.MODELS)
-def test_paper_models_are_one_kernel(paper, name):
+def test_paper_models_are_one_kernel_on_the_h200(paper, name):
     staged = paper(name)
     h200 = partition(staged, H200)
     assert len(h200.kernels) == 1 and h200.kernels[0] == staged.items and h200.splits == []
-    # every model has a warp_reduce or matmul stage (64 registers): 4 blocks of 256 threads per SM.
-    assert str(h200) == "1 kernel: every stage co-resident at grid 528 on h200 (4 blocks/SM, limited by registers)"
-    assert str(partition(staged, A100)) == ("1 kernel: every stage co-resident at grid 432 on a100 "
-                                            "(4 blocks/SM, limited by registers)")
+    # every model has a warp_reduce stage (64 registers): 4 blocks of 256 threads per SM; BERT's and
+    # ResNeXt's matmul stages (80 registers): 3
+    blocks = 3 if any(s.schedule.template == "matmul" for s in staged.stages()) else 4
+    assert name not in ("bert", "resnext") or blocks == 3
+    assert str(h200) == (f"1 kernel: every stage co-resident at grid {132 * blocks} on h200 ({blocks} blocks/SM, "
+                         "limited by registers)")
+    a100 = partition(staged, A100)
+    if len(a100.kernels) == 1:
+        assert str(a100) == (f"1 kernel: every stage co-resident at grid {108 * blocks} on a100 "
+                             f"({blocks} blocks/SM, limited by registers)")
+    else:  # the A100's 108 SMs: stages apart from the matmul ones at 4 blocks/SM can be worth a launch
+        assert blocks == 3 and str(a100).count("needs 80 registers per thread") == len(a100.kernels) - 1
 
 
 def test_register_estimates_per_template():
     staged = _staged(models.build("bert", "tiny"))
     templates = {s.schedule.template: stage_registers(s) for s in staged.stages()}
     assert templates == {"elementwise": 32, "warp_reduce": 64, "thread_reduce": 32}
-    assert REGISTER_ESTIMATES == dict(templates, matmul=64)  # tiny BERT's GEMMs are too small for dlight's rule
+    assert REGISTER_ESTIMATES == dict(templates, matmul=80)  # tiny BERT's GEMMs are too small for dlight's rule
     stage = staged.stages()[0]
     # tensor cores: a base plus each thread's share of the tile's float32 accumulators
     stage.schedule = dataclasses.replace(stage.schedule, template="tensor_core", threads=256,

@@ -54,7 +54,8 @@ class EmulationError(SouffleError, RuntimeError):
 
 def kernel_signature(source: str, kernel: str = "main_kernel") -> list[tuple[str, str]]:
     """(C type, name) of each parameter of ``kernel``'s definition in CUDA ``source``, in order."""
-    match = re.search(rf"__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s+)?{kernel}\s*\(([^)]*)\)\s*{{", source)
+    bounds = r"__launch_bounds__\(\d+(?:,\s*\d+)?\)\s+"  # threads, and blocks per SM where given
+    match = re.search(rf"__global__\s+void\s+(?:{bounds})?{kernel}\s*\(([^)]*)\)\s*{{", source)
     if match is None:
         raise TargetError(f"no definition of {kernel} in the generated CUDA source")
     params = []

@@ -1,0 +1,87 @@
+"""Compiler variants to time beside the default on a GPU: questions the H200's first run raised
+that only a GPU can answer, each a change the compiler could make by default.
+
+``gpu_kernels.py export DIR --variant NAME`` compiles its bundles with the variant in force and
+names each ``BASE+NAME`` (``lstm_paper_O4+no-on-chip``), so that one GPU run times it beside
+its base, on the same weights and inputs, checked against PyTorch the same way. The compiler
+itself is untouched: a variant patches one of its names for the duration of the compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from unittest import mock
+
+SEPARATOR = "+"  # between a bundle's name and its variant's: lstm_paper_O4+no-on-chip
+
+
+@dataclass(frozen=True)
+class Variant:
+    question: str  # what timing it beside its base answers
+    patches: Callable[[], list]  # the mock patches that make it, made when it is applied
+
+
+def _without_on_chip_weights() -> list:
+    from codegen import pipelines
+    from souffle.passes import Outcome
+
+    def keep_nothing(staged, device):
+        return Outcome(staged, ["variant no-on-chip: every weight stays in global memory"])
+
+    return [mock.patch.object(pipelines, "keep_weights_on_chip", keep_nothing)]
+
+
+def _two_blocks_per_sm() -> list:
+    from codegen import pipelines
+
+    emit = pipelines.cuda_source
+
+    def bounded(device, arch):
+        return re.sub(r"__launch_bounds__\((\d+)\)", r"__launch_bounds__(\1, 2)", emit(device, arch))
+
+    return [mock.patch.object(pipelines, "cuda_source", bounded)]
+
+
+def _occupancy_model() -> list:
+    from analysis import latency
+
+    return [mock.patch.object(latency, "WARPS_TO_SATURATE", 32)]
+
+
+VARIANTS = {
+    "no-on-chip": Variant(
+        "O4 without keep_weights_on_chip: paper LSTM's O3 (1.20 ms, 6 blocks/SM) beat its O4 (1.49 ms, "
+        "1 block/SM, weights in shared memory) on the H200; is it the on-chip weights?",
+        _without_on_chip_weights),
+    "two-blocks": Variant(
+        "__launch_bounds__(threads, 2): ptxas holds the kernel to 128 registers so that 2 blocks fit per SM "
+        "(paper BERT fp16: 255 registers, 1 block/SM; capped, 172 B spilled): occupancy or spills?",
+        _two_blocks_per_sm),
+    "occupancy": Variant(
+        "the latency model with WARPS_TO_SATURATE = 32 (analysis.latency), which orders the H200's opt "
+        "levels better, choosing the schedules: more, smaller tiles (thread_reduce for small GEMMs, 64-wide "
+        "tensor-core tiles); faster or slower than the default's?",
+        _occupancy_model),
+}
+
+
+@contextlib.contextmanager
+def applied(name: str) -> Iterator[Variant]:
+    """The compiler with variant ``name`` in force, for the duration of the block."""
+    try:
+        variant = VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+    with contextlib.ExitStack() as stack:
+        for patch in variant.patches():
+            stack.enter_context(patch)
+        yield variant
+
+
+def split(bundle: str) -> tuple[str, str | None]:
+    """``lstm_paper_O4+no-on-chip`` -> (``lstm_paper_O4``, ``no-on-chip``); no variant: None."""
+    base, _, variant = bundle.partition(SEPARATOR)
+    return base, variant or None

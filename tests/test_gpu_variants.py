@@ -1,0 +1,60 @@
+"""benchmarks/gpu_variants.py: each compiler variant changes what it says and nothing else, and
+its bundles are named after their base so that a GPU run times both."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from souffle import models
+from souffle.compiler import run_passes
+from souffle.runtime.emulated import kernel_signature
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import gpu_kernels  # noqa: E402
+import gpu_variants  # noqa: E402
+
+
+def _on_chip_loads(staged) -> int:
+    from codegen.staged import loops_in
+
+    return sum(len(loop.loads) for loop in loops_in(staged.items))
+
+
+def test_no_on_chip_keeps_every_weight_in_global_memory_and_only_while_applied():
+    graph = models.build("lstm", "tiny")
+    assert _on_chip_loads(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) > 0
+    with gpu_variants.applied("no-on-chip"):
+        assert _on_chip_loads(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == 0
+    assert _on_chip_loads(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) > 0
+
+
+def test_two_blocks_bounds_the_kernel_for_two_blocks_per_sm():
+    """ptxas gets __launch_bounds__(threads, 2); the runtime still finds the kernel's parameters."""
+    graph = models.build("mmoe", "tiny")
+    plain = run_passes(graph, "cuda", stop="cuda_source", opt_level=4).ir.text
+    with gpu_variants.applied("two-blocks"):
+        bounded = run_passes(graph, "cuda", stop="cuda_source", opt_level=4).ir.text
+    assert "__launch_bounds__(256)" in plain and "__launch_bounds__(256, 2)" not in plain
+    assert bounded == plain.replace("__launch_bounds__(256)", "__launch_bounds__(256, 2)")
+    assert kernel_signature(bounded) == kernel_signature(plain)
+
+
+def test_occupancy_turns_the_latency_models_occupancy_term_on_for_the_compile():
+    from analysis import latency
+
+    assert latency.WARPS_TO_SATURATE is None
+    with gpu_variants.applied("occupancy"):
+        assert latency.WARPS_TO_SATURATE == 32
+    assert latency.WARPS_TO_SATURATE is None
+
+
+def test_variant_bundles_are_named_after_their_base_and_unknown_ones_refused():
+    name = gpu_kernels.bundle_name("lstm", "paper", 4, "fp32", "no-on-chip")
+    assert name == "lstm_paper_O4+no-on-chip"
+    assert gpu_variants.split(name) == ("lstm_paper_O4", "no-on-chip")
+    assert gpu_variants.split("lstm_paper_O4") == ("lstm_paper_O4", None)
+    with pytest.raises(ValueError, match="unknown variant 'fast'; known: no-on-chip"):
+        with gpu_variants.applied("fast"):
+            pass

@@ -1,0 +1,47 @@
+"""benchmarks/latency_vs_gpu.py: the bundle names it reads, how it counts opt levels ordered as
+measured, and its least-squares split recovering known per-barrier and per-launch costs."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import latency_vs_gpu  # noqa: E402
+
+
+def _row(bundle: str, measured: float, estimate: float, stages: float = 0.0, barriers: int = 0,
+         launches: int = 1) -> dict:
+    return {"bundle": bundle, **latency_vs_gpu.bundle_fields(bundle), "measured_ms": measured, "estimate_ms": estimate,
+            "parts_ms": {"stages": stages}, "counts": {"grid barriers": barriers, "launches": launches}}
+
+
+def test_bundle_names_and_devices():
+    assert latency_vs_gpu.bundle_fields("bert_paper_O4_fp16") == {"model": "bert", "config": "paper", "level": 4,
+                                                                   "precision": "fp16"}
+    assert latency_vs_gpu.bundle_fields("lstm_tiny_O0")["precision"] == "fp32"
+    with pytest.raises(ValueError, match="not a bundle name"):
+        latency_vs_gpu.bundle_fields("lstm_paper_fast")
+    assert latency_vs_gpu.device_model("NVIDIA H200") == "h200"
+    assert latency_vs_gpu.device_model("NVIDIA H100 80GB HBM3") == "h100"
+    with pytest.raises(ValueError, match="no device model for GPU 'NVIDIA L4'"):
+        latency_vs_gpu.device_model("NVIDIA L4")
+
+
+def test_a_pair_of_levels_ordered_the_other_way_is_named():
+    rows = [_row("lstm_paper_O3", 1.2, 0.9), _row("lstm_paper_O4", 1.5, 0.7), _row("lstm_paper_O0", 200, 60),
+            _row("lstm_tiny_O4", 0.03, 0.02)]  # another config: not compared with the paper's
+    order = latency_vs_gpu.order_agreement(rows)
+    assert (order["pairs"], order["agree"]) == (3, 2)
+    assert order["disagree"] == ["lstm_paper_O3 vs O4: measured 1.200 vs 1.500 ms, estimated 0.900 vs 0.700"]
+
+
+def test_the_split_recovers_the_costs_the_times_were_made_of():
+    """Times made as 2 x stage time + 3 us per barrier + 10 us per launch are split back into them."""
+    parts = [(0.5, 100, 1), (2.0, 10, 1), (0.01, 0, 300), (1.0, 300, 1), (0.2, 0, 50)]
+    rows = [_row(f"m{k}_paper_O4", 2 * s + b * 3e-3 + n * 10e-3, 1.0, s, b, n) for k, (s, b, n) in enumerate(parts)]
+    fit = latency_vs_gpu.fit_parts(rows)
+    assert fit["stage_time_factor"] == pytest.approx(2.0)
+    assert (fit["grid_barrier_us"], fit["launch_us"]) == (pytest.approx(3.0), pytest.approx(10.0))
+    assert fit["fitted_ratio_median"] == pytest.approx(1.0)
