@@ -70,10 +70,10 @@ BLOCK_BARRIER_CYCLES = 30  # a __syncthreads once every warp has arrived (an ass
 # SM's 64 warp slots) orders the opt levels as measured in 77 of 84 pairs against 73 without it,
 # measured over estimated 1.62 at the median against 3.08 (benchmarks/results/latency_vs_h200.md
 # and latency_vs_h200_warps32.md: paper LSTM O3 and O4, BERT and ResNeXt O2 and O4 the right way
-# round), but it also moves the schedules codegen.stage picks
-# (small GEMMs from dlight's matmul to thread_reduce, BERT's tensor-core tiles from 128 to 64
-# wide) to kernels no GPU has timed: it stays off until a GPU run of both
-# (benchmarks/gpu_kernels.py export --variants occupancy) says which schedules are faster.
+# round), but it also moves the schedules codegen.stage picks (with the 128 x 32 matmul tiles of
+# that run: small GEMMs from dlight's matmul to thread_reduce, BERT's tensor-core tiles from 128
+# to 64 wide) to kernels no GPU has timed: it stays off until a GPU run of both
+# (benchmarks/gpu_kernels.py export --variant occupancy) says which schedules are faster.
 WARPS_TO_SATURATE: int | None = None
 # A cooperative-groups grid barrier: every block's arrival on a global counter and a spin on it, a
 # few L2 round trips plus the wait for the slowest block. 2 us is an assumption, not a measurement

@@ -127,28 +127,30 @@ def ablation_table(kernels: dict[str, dict], static: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _timed(row: dict | None) -> str:
+    """A bundle's median and grid (blocks per SM), or that it did not run."""
+    return f"{_ms(row.get('median_ms'))} ({row.get('grid', '-')}, {row.get('blocks_per_sm', '-')})" if row else "not run"
+
+
 def variants_table(kernels: dict[str, dict], static: dict[str, dict]) -> str:
     """Each compiler variant's bundle (``gpu_variants``) beside its base: the question it asks,
     both times and estimates, and the variant's speedup (over 1: the variant is faster)."""
     lines = ["| bundle | variant | check | base ms (grid, blocks/SM) | variant ms (grid, blocks/SM) "
              "| variant speedup | base estimate ms | variant estimate ms |", "|---|---|---|---|---|---|---|---|"]
-    questions = []
+    questions: dict[str, str] = {}
     for name, r in sorted(kernels.items()):
         base, variant = split(name)
         if variant is None:
             continue
-        question = VARIANTS[variant].question if variant in VARIANTS else "(not a known variant)"
-        if f"- {variant}: {question}" not in questions:
-            questions.append(f"- {variant}: {question}")
+        questions[variant] = VARIANTS[variant].question if variant in VARIANTS else "(not a known variant)"
         mine, theirs = r.get("median_ms"), kernels.get(base, {}).get("median_ms")
         speedup = f"{theirs / mine:.2f}x" if mine and theirs else "-"
-
-        def timed(row):
-            return f"{_ms(row.get('median_ms'))} ({row.get('grid', '-')}, {row.get('blocks_per_sm', '-')})" if row else "not run"
-
-        lines.append(f"| {base} | {variant} | {r['check']} | {timed(kernels.get(base))} | {timed(r)} | {speedup} "
-                     f"| {_ms(static.get(base, {}).get('estimate_ms'))} | {_ms(static.get(name, {}).get('estimate_ms'))} |")
-    return "\n".join(questions + [""] + lines) if questions else "No variant was run."
+        estimates = [_ms(static.get(bundle, {}).get("estimate_ms")) for bundle in (base, name)]
+        lines.append(f"| {base} | {variant} | {r['check']} | {_timed(kernels.get(base))} | {_timed(r)} | {speedup} "
+                     f"| {estimates[0]} | {estimates[1]} |")
+    if not questions:
+        return "No variant was run."
+    return "\n".join([f"- {variant}: {question}" for variant, question in questions.items()] + [""] + lines)
 
 
 def dram_table(kernels: dict[str, dict], static: dict[str, dict]) -> str:

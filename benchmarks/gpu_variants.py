@@ -62,8 +62,8 @@ VARIANTS = {
         _two_blocks_per_sm),
     "occupancy": Variant(
         "the latency model with WARPS_TO_SATURATE = 32 (analysis.latency), which orders the H200's opt "
-        "levels better, choosing the schedules: more, smaller tiles (thread_reduce for small GEMMs, 64-wide "
-        "tensor-core tiles); faster or slower than the default's?",
+        "levels better, choosing the schedules: more, smaller tiles (with the 128 x 32 matmul tiles of the H200 "
+        "run: thread_reduce for small GEMMs, 64-wide tensor-core tiles); faster or slower than the default's?",
         _occupancy_model),
 }
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import hashlib
 import json
 import statistics
 import sys
@@ -32,20 +31,19 @@ from unittest import mock
 import numpy as np
 from scipy.optimize import nnls
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.common import command, machine, versions, write  # noqa: E402
-
-BUNDLE_FIELDS = ("model", "config", "level", "precision")
-PARTS = ("stages", "grid barriers", "launches")
+from common import command, machine, versions, write  # noqa: E402
+from gpu_report import BUNDLE  # noqa: E402
 
 
 def bundle_fields(bundle: str) -> dict:
     """``bert_paper_O4_fp16`` -> model bert, config paper, level 4, precision fp16."""
-    name, config, level, *precision = bundle.split("_")
-    if not level.startswith("O") or len(precision) > 1:
+    match = BUNDLE.match(bundle)
+    if match is None:
         raise ValueError(f"not a bundle name of gpu_kernels.py export: {bundle!r}")
-    return {"model": name, "config": config, "level": int(level[1:]), "precision": precision[0] if precision else "fp32"}
+    return {"model": match["model"], "config": match["config"], "level": int(match["level"]),
+            "precision": match["precision"] or "fp32"}
 
 
 def device_model(gpu_name: str) -> str:
@@ -78,7 +76,7 @@ def estimate_row(measured: dict, bundles: Path | None, warps_to_saturate: int | 
         ran = bundles / measured["bundle"] / "kernel.cu"
         if not ran.exists():
             return {**row, "skipped": f"{ran} not found"}
-        if hashlib.sha256(ran.read_bytes()).digest() != hashlib.sha256(model.source.encode()).digest():
+        if ran.read_text() != model.source:
             return {**row, "skipped": "the kernel compiled here is not the one that ran (its source differs)"}
     with mock.patch.object(latency, "WARPS_TO_SATURATE", warps_to_saturate or latency.WARPS_TO_SATURATE):
         estimate = model.latency

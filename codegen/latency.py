@@ -314,7 +314,8 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
         on_chip_steps=on_chip_steps, block_barriers=barriers, accesses=tuple(accesses),
         l2_read_bytes=sum(min(_tile_read_bytes(stage, k, tile), asked) for k, asked in global_reads),
         dram_bytes=round(sum(min(dram.reads[k], asked * schedule.n_tiles) for k, asked in global_reads)
-                         + dram.written), block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
+                         + dram.written),
+        block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
 
 
 def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dram: Dram) -> StageWork:
@@ -350,9 +351,9 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, d
     row_loads = MATMUL_VTHREADS * MATMUL_MICRO[0]
     # nvcc unrolls a chunk's terms, and where a slice row starts on 16 bytes loads 4 consecutive
     # float32 terms of it with one 128-bit instruction (checked with cuobjdump on a 384 x 3072 x
-    # 768 dense, sm_90: 32 LDS.128 per 256 FFMA with rows of 20 words, against 43 narrower loads
-    # per 128 FFMA with rows of 17). A 128-bit load is served 8 lanes (128 bytes) at a time: 4
-    # wavefronts, times the lanes of 8 whose 16 bytes share banks.
+    # 768 dense, sm_90: with rows of 20 words 40 LDS.128 per 256 FFMA in 64 x 64 tiles, 32 in
+    # 128 x 32 tiles; with rows of 17, 43 narrower loads per 128 FFMA). A 128-bit load is served
+    # 8 lanes (128 bytes) at a time: 4 wavefronts, times the lanes of 8 whose 16 bytes share banks.
     if itemsize == 4 and row_words % 4 == 0 and MATMUL_K_CHUNK % 4 == 0:
         k_vector = 4
         groups = len({stride * lane % SHARED_BANKS // 4 for lane in range(8)})
@@ -374,7 +375,8 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, d
         on_chip_steps=terms, block_barriers=2 * chunks, accesses=accesses,
         l2_read_bytes=(rows + cols) * chunks * MATMUL_K_CHUNK * itemsize,
         dram_bytes=round(min(read_bytes, (rows + cols) * chunks * MATMUL_K_CHUNK * itemsize * schedule.n_tiles)
-                         + dram.written), block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
+                         + dram.written),
+        block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
 
 
 def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int,

@@ -40,7 +40,8 @@ def test_a_pair_of_levels_ordered_the_other_way_is_named():
 def test_the_split_recovers_the_costs_the_times_were_made_of():
     """Times made as 2 x stage time + 3 us per barrier + 10 us per launch are split back into them."""
     parts = [(0.5, 100, 1), (2.0, 10, 1), (0.01, 0, 300), (1.0, 300, 1), (0.2, 0, 50)]
-    rows = [_row(f"m{k}_paper_O4", 2 * s + b * 3e-3 + n * 10e-3, 1.0, s, b, n) for k, (s, b, n) in enumerate(parts)]
+    rows = [_row(f"model{'abcde'[k]}_paper_O4", 2 * s + b * 3e-3 + n * 10e-3, 1.0, s, b, n)
+            for k, (s, b, n) in enumerate(parts)]
     fit = latency_vs_gpu.fit_parts(rows)
     assert fit["stage_time_factor"] == pytest.approx(2.0)
     assert (fit["grid_barrier_us"], fit["launch_us"]) == (pytest.approx(3.0), pytest.approx(10.0))
