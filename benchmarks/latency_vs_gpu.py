@@ -19,6 +19,7 @@ the model's constants are not fitted to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import json
 import statistics
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import command, machine, versions, write  # noqa: E402
 from gpu_report import BUNDLE  # noqa: E402
+from gpu_variants import applied, split  # noqa: E402
 
 
 def bundle_fields(bundle: str) -> dict:
@@ -61,15 +63,18 @@ def estimate_row(measured: dict, bundles: Path | None, warps_to_saturate: int | 
     """One measured kernel recompiled here and estimated on its GPU's device model; with
     ``warps_to_saturate``, estimated with ``analysis.latency``'s occupancy term at that value
     (the kernel compiled as it was, so that it is still the one that ran); with ``stages``, each
-    stage's five times too (a megabyte or two for the 59 kernels of the H200 run)."""
+    stage's five times too (a megabyte or two for the 59 kernels of the H200 run). A compiler
+    variant's bundle (``BASE+VARIANT``, ``gpu_variants``) is compiled and estimated with it."""
     from analysis import latency
     from souffle import compile, models
 
-    fields = bundle_fields(measured["bundle"])
+    base, variant = split(measured["bundle"])
+    fields = {**bundle_fields(base), "variant": variant}
     device = device_model(measured["device"])
     started = time.perf_counter()
-    model = compile(models.build(fields["model"], fields["config"]), target="cuda", device=device,
-                    opt_level=fields["level"], precision=fields["precision"], validate=False)
+    with applied(variant) if variant else contextlib.nullcontext():
+        model = compile(models.build(fields["model"], fields["config"]), target="cuda", device=device,
+                        opt_level=fields["level"], precision=fields["precision"], validate=False)
     row = {"bundle": measured["bundle"], **fields, "device": device, "measured_ms": measured["median_ms"],
            "compile_s": round(time.perf_counter() - started, 1)}
     if bundles is not None:
@@ -78,7 +83,8 @@ def estimate_row(measured: dict, bundles: Path | None, warps_to_saturate: int | 
             return {**row, "skipped": f"{ran} not found"}
         if ran.read_text() != model.source:
             return {**row, "skipped": "the kernel compiled here is not the one that ran (its source differs)"}
-    with mock.patch.object(latency, "WARPS_TO_SATURATE", warps_to_saturate or latency.WARPS_TO_SATURATE):
+    with applied(variant) if variant else contextlib.nullcontext(), \
+            mock.patch.object(latency, "WARPS_TO_SATURATE", warps_to_saturate or latency.WARPS_TO_SATURATE):
         estimate = model.latency
     bounds: dict[str, float] = {}
     for stage in estimate.stages:
@@ -96,11 +102,11 @@ def estimate_row(measured: dict, bundles: Path | None, warps_to_saturate: int | 
 
 
 def order_agreement(rows: list[dict]) -> dict:
-    """For each model, config and precision measured at several opt levels: the pairs of levels
-    the estimate orders as the GPU did, and those it orders the other way."""
+    """For each model, config, precision (and compiler variant) measured at several opt levels:
+    the pairs of levels the estimate orders as the GPU did, and those it orders the other way."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["model"], row["config"], row["precision"]), []).append(row)
+        groups.setdefault((row["model"], row["config"], row["precision"], row.get("variant")), []).append(row)
     agree, disagree = 0, []
     for group in groups.values():
         for a, b in combinations(sorted(group, key=lambda r: r["level"]), 2):

@@ -46,3 +46,20 @@ def test_the_split_recovers_the_costs_the_times_were_made_of():
     assert fit["stage_time_factor"] == pytest.approx(2.0)
     assert (fit["grid_barrier_us"], fit["launch_us"]) == (pytest.approx(3.0), pytest.approx(10.0))
     assert fit["fitted_ratio_median"] == pytest.approx(1.0)
+
+
+def test_a_variant_bundle_is_compiled_and_estimated_with_its_variant():
+    """``lstm_tiny_O4+no-on-chip`` is tiny LSTM at O4 without its weights on chip: its estimate
+    has no on-chip load and differs from the base's; it forms no opt-level pair with its base."""
+    base = latency_vs_gpu.estimate_row({"bundle": "lstm_tiny_O4", "device": "NVIDIA H200", "median_ms": 0.036},
+                                       None, stages=True)
+    variant = latency_vs_gpu.estimate_row({"bundle": "lstm_tiny_O4+no-on-chip", "device": "NVIDIA H200",
+                                           "median_ms": 0.030}, None, stages=True)
+    assert (base["variant"], variant["variant"], variant["level"]) == (None, "no-on-chip", 4)
+
+    def loads(row):
+        return [s["name"] for s in row["stages"] if s["name"].startswith("on-chip load")]
+
+    assert loads(base) and not loads(variant)
+    assert variant["estimate_ms"] != base["estimate_ms"]
+    assert latency_vs_gpu.order_agreement([base, variant])["pairs"] == 0
