@@ -39,7 +39,7 @@ times its executions (scan bodies run once per trip), ``GRID_SYNC_SECONDS`` per 
 executed and ``DeviceModel.launch_seconds`` per kernel launched. Its roofline bound is
 ``max(FLOPs at peak, compulsory bytes at DRAM bandwidth)``: no schedule beats it. A stage's
 ``fraction_of_peak`` is its FLOPs over its time at the peak of its dtype (the FMA peak for
-float32, the tensor-core peak for float16), the figure the 40%-of-peak goal for GEMM-shaped
+float32, the tensor-core peak for float16 and bfloat16), the figure the 40%-of-peak goal for GEMM-shaped
 stages is checked against.
 """
 
@@ -179,7 +179,7 @@ def estimate_stage(work: StageWork, device: DeviceModel) -> StageEstimate:
     latency = (work.waves * chain + BLOCK_BARRIER_CYCLES * work.block_barrier_before) / clock
     if work.tensor_core:
         busy = min(1.0, blocks_on_sm * (work.active_threads / device.warp_size) / TENSOR_CORES_PER_SM)
-        sm_peak = device.peak("float16") / device.sms
+        sm_peak = device.peak(work.dtype) / device.sms
     else:
         busy = min(1.0, blocks_on_sm * work.active_threads / device.fp32_lanes_per_sm)
         sm_peak = device.peak("float32") / device.sms
@@ -194,7 +194,7 @@ def estimate_stage(work: StageWork, device: DeviceModel) -> StageEstimate:
         "dram": work.dram_bytes / device.mem_bandwidth / gpu_share,
     }
     seconds = max(times.values())
-    # the peak of the stage's dtype: FMA for float32, tensor cores for float16 (the goal's peaks)
+    # the peak of the stage's dtype: FMA for float32, tensor cores for float16 and bfloat16 (the goal's peaks)
     fraction = work.flops / (seconds * device.peak(work.dtype)) if work.flops and seconds else None
     return StageEstimate(work, seconds, times, fraction)
 

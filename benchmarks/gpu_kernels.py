@@ -3,7 +3,8 @@
 A lent GPU machine has no TVM (its wheel does not fit the transfer), so the kernels are built
 here and run there (``scripts/gpu_run.sh`` does the whole GPU side):
 
-    python benchmarks/gpu_kernels.py export DIR [--models ...] [--configs tiny paper] [--levels 0 4] [--precisions fp32 fp16]
+    python benchmarks/gpu_kernels.py export DIR [--models ...] [--configs tiny paper] [--levels 0 4]
+                                                [--precisions fp32 fp16 bf16]
     python benchmarks/gpu_kernels.py run DIR [--repeat 100] [--warmup 10] [--sanitize GLOB] [--ncu GLOB]   # on the GPU
 
 ``export`` compiles each model for target cuda at each opt level (default the compiler's, O4)
@@ -314,7 +315,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(models.MODELS))
     parser.add_argument("--configs", nargs="+", default=["tiny", "paper"])
     parser.add_argument("--levels", nargs="+", type=int, default=None, help="opt levels to export (default: O4)")
-    parser.add_argument("--precisions", nargs="+", default=["fp32"], help="precisions to export (fp32, fp16)")
+    parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=("fp32", "fp16", "bf16"),
+                        help="precisions to export")
     parser.add_argument("--variant", choices=sorted(VARIANTS), help="export: compile with this variant of the "
                         "compiler (benchmarks/gpu_variants.py), bundles named BASE+VARIANT")
     parser.add_argument("--repeat", type=int, default=100)

@@ -7,7 +7,8 @@ For each bundle in DIR that ``--bundles`` matches (default ``*_O4*``; several gl
 their order, the paper models first within each; a compiler variant's bundle, ``BASE+VARIANT``,
 is PyTorch's base bundle again and is left out) (``benchmarks/gpu_kernels.py export``) the model's torch module
 (``souffle.models.<name>.torch_module``) is built from the same seeded weights, moved to the GPU
-and run on the bundle's inputs, at the bundle's precision (fp16: ``torch.autocast("cuda")``):
+and run on the bundle's inputs, at the bundle's precision (fp16, bf16: ``torch.autocast("cuda")`` in
+that dtype):
 
 - ``eager``: the module as it is;
 - ``cuda-graph``: one inference captured in a CUDA graph and replayed;
@@ -51,11 +52,12 @@ def _module(name: str, config: str, precision: str):
     module = models.get(name)
     cfg = models.config(name, config)
     net = module.torch_module(cfg, module.init_weights(cfg, 0)).cuda().eval()
-    fp16 = precision == "fp16"
+    narrow = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
 
     def forward(**inputs):
         # autocast's weight cache off: a CUDA graph must not capture casts cached outside it
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=fp16, cache_enabled=False):
+        with torch.no_grad(), torch.autocast("cuda", dtype=narrow or torch.float16, enabled=narrow is not None,
+                                             cache_enabled=False):
             outputs = net(**inputs)
         return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
@@ -139,7 +141,7 @@ class Bundle:
         self.check = Check.load(path)
         artifact = self.check.artifact
         self.model, self.config = artifact.model, artifact.config
-        self.precision = "fp16" if path.name.endswith("_fp16") else "fp32"
+        self.precision = next((p for p in ("fp16", "bf16") if path.name.endswith(f"_{p}")), "fp32")
         self.forward = _module(self.model, self.config, self.precision)
         self.inputs = {slot.name: torch.from_numpy(array.reshape(slot.shape)).cuda()
                        for slot, array in zip(artifact.inputs, self.check.inputs)}

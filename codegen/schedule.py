@@ -24,8 +24,8 @@ Templates, chosen from the block's iterators (never from an op's name):
   matmul rule instead (``matmul_stage``): both operands staged through shared memory, a
   register tile per thread. Its tiles are boxes of the output, not runs; the schedule carries
   them as an isl relation (``StageSchedule.tile_relation``).
-- ``tensor_core`` (GPU only): a GEMM-shaped stage of float16 operands accumulating in float32,
-  in whole tiles, is scheduled by dlight's tensor-core rule in the kernel's block shape
+- ``tensor_core`` (GPU only): a GEMM-shaped stage of float16 or bfloat16 operands accumulating
+  in float32, in whole tiles, is scheduled by dlight's tensor-core rule in the kernel's block shape
   (``tensor_core_stages``, ``codegen.tensor_core``): wmma fragments fed from shared-memory
   slices, one candidate per tile size; folded and carried like ``matmul``.
 
@@ -174,6 +174,8 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     outputs = _product(_extent(sch, loop) for loop in spatial_loops)
     reduction = _product(_extent(sch, loop) for loop in reduce_loops)
     template, per_tile = tiling(outputs, reduction, threads)
+    if template == "warp_reduce" and not _lanes_can_reduce(sch, block):
+        template, per_tile = "thread_reduce", threads
     fused = _outer_loop(sch, spatial_loops, loops, block)
     if epilogue_mode == "register" and outputs == 1:
         # A single result's epilogue is bound to constant indexes, which nothing guards: placed
@@ -216,6 +218,29 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     return func, StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch))
 
 
+def _lanes_can_reduce(sch: s_tir.Schedule, block) -> bool:
+    """Whether TVM can split ``block``'s reduction across a warp's lanes, race-free:
+
+    - its cross-thread lowering, like ``rfactor``, needs a combiner it recognizes (a sum, a
+      max), and a NaN-keeping max (``souffle.ops.common.nan_max``, a select) is none: tried on
+      a copy with ``rfactor`` (a wide max pooling failed in TVM's lowering);
+    - it shuffles only the types it counts as float, and reduces a bfloat16 in shared memory
+      through volatile pointers with no barrier between the lanes' steps, a race the emulator
+      finds (tests/test_bf16_cuda.py)."""
+    if any(str(write.source.dtype) == "bfloat16" for write in sch.get(block).writes):
+        return False
+    trial = sch.copy()
+    reduce_loops = [loop for loop, iv in zip(trial.get_loops(block), trial.get(block).iter_vars)
+                    if iv.iter_type == tirx.IterVar.CommReduce]
+    fused = trial.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
+    _, lane = trial.split(fused, [None, WARP])
+    try:
+        trial.rfactor(lane, 0)
+    except (ValueError, s_tir.ScheduleError):
+        return False
+    return True
+
+
 def schedule_te(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int = THREADS,
                 epilogue_mode: str | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
     """``schedule_stage`` for one TE over ``placeholders`` (a stage isolated from its program);
@@ -227,7 +252,7 @@ def schedule_te(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, thr
 def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int = THREADS,
                         epilogue_mode: str | None = None) -> list[tuple[tirx.PrimFunc, StageSchedule]]:
     """The schedules a stage may take, in order of preference on a tie: where it is a GEMM-shaped
-    GPU stage, tensor cores (float16 operands, one candidate per tile) and dlight's SIMT matmul;
+    GPU stage, tensor cores (float16 or bfloat16 operands, one candidate per tile) and dlight's SIMT matmul;
     then this module's own template, which every stage has (``codegen.stage`` picks one by the
     latency model)."""
     gemms = []
@@ -433,8 +458,8 @@ def matmul_stage(func: tirx.PrimFunc, threads: int = THREADS) -> tuple[tirx.Prim
 
 
 def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS) -> list[tuple[tirx.PrimFunc, StageSchedule]]:
-    """``func`` (a GEMM-shaped reduction of float16 operands into float32, with or without its
-    register epilogue) on tensor cores, one schedule per tile of ``codegen.tensor_core.TILES``
+    """``func`` (a GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
+    without its register epilogue) on tensor cores, one schedule per tile of ``codegen.tensor_core.TILES``
     that fits it (``codegen.tensor_core``), folded and carried like ``matmul_stage``'s."""
     if not _gemm_rules_apply(func):
         return []

@@ -534,8 +534,18 @@ def _vectorize_innermost(sch: s_tir.Schedule, block):
     contiguously along it; a strided store would be split into scalar stores anyway."""
     loops = sch.get_loops(block)
     extent = _const_extent(sch, loops[-1])
-    if extent and extent % 4 == 0 and _stores_contiguously(sch.get(block)):
+    if extent and extent % 4 == 0 and _stores_contiguously(sch.get(block)) and _vectorizable(sch, block):
         sch.vectorize(loops[-1])
+
+
+def _vectorizable(sch: s_tir.Schedule, block) -> bool:
+    """Whether TVM can lower ``block`` vectorized: its bfloat16 legalization leaves a vector of a
+    bfloat16 constant (a fill, a reduction's initial value) unconverted and fails on its store."""
+    stmt = sch.get(block)
+    store = stmt.body
+    if not isinstance(store, tirx.BufferStore) or str(store.buffer.dtype) != "bfloat16":
+        return True
+    return any(isinstance(node, TensorLoad) for node in _walk(store.value))
 
 
 def _stores_contiguously(stmt) -> bool:
@@ -597,7 +607,7 @@ def _schedule_plain(sch: s_tir.Schedule, block, info: _BlockInfo | None, lanes: 
     outer = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
     if info.work >= PARALLEL_MIN_WORK and (_const_extent(sch, outer) or 0) >= 2:
         sch.parallel(outer)
-    if inner is not None and _const_extent(sch, inner) == lanes:
+    if inner is not None and _const_extent(sch, inner) == lanes and _vectorizable(sch, block):
         sch.vectorize(inner)
 
 

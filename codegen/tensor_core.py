@@ -1,5 +1,5 @@
 """TVM's dlight tensor-core matmul rule (``dlight.gpu.MatmulTensorization``) in the shape of the
-persistent kernel: float16 operands, float32 accumulators in wmma fragments.
+persistent kernel: float16 or bfloat16 operands, float32 accumulators in wmma fragments.
 
 dlight's rule binds its own block, 16 warps of 4 x 2 fragments each (128 x 128 tiles), and
 software-pipeline annotations; the persistent kernel has one block shape for every stage
@@ -7,13 +7,16 @@ software-pipeline annotations; the persistent kernel has one block shape for eve
 fragments a ``TensorCoreTile`` says, for ``threads / 32`` warps:
 
 - both operands are staged through shared memory one chunk of ``k_fragments`` x 16 terms at a
-  time (rows padded by 8 halves, as dlight pads them, so that a fragment's rows fall on
+  time (rows padded by 8 elements, as dlight pads them, so that a fragment's rows fall on
   different banks), copied with 4-element vector loads by all the block's threads;
 - each warp loads 16 x 16 fragments of both slices and accumulates ``fragments_i x fragments_j``
   16 x 16 x 16 products with ``mma_sync`` (TVM's wmma intrinsics, ``tensor_intrin.cuda``);
 - the accumulators go through shared memory (a tile of float32, rows not padded: dlight's
   padding of it does not survive its ``reverse_compute_at``) to the output, where the stage's
-  epilogue (the rounding to float16, a bias, an activation) is computed on the way out.
+  epilogue (the rounding to float16 or bfloat16, a bias, an activation) is computed on the way out.
+
+TVM registers wmma intrinsics for float16 operands only; bfloat16's (m16n16k16, sm_80 and up) are
+registered here from TVM's own generators (``wmma_intrinsics``).
 
 Left out: dlight's software pipeline (double-buffered slices with asynchronous copies), which the
 thread-level validator and the emulator do not model yet. A stage whose sizes are not whole
@@ -23,6 +26,7 @@ loads, which the SIMT rule refuses for the same reason).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from tvm import s_tir, tirx
@@ -30,10 +34,11 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline_producers, get_index_map,
                                          get_reduction_blocks)
 
-FRAGMENT = 16  # wmma's m16n16k16 shape for float16
+FRAGMENT = 16  # wmma's m16n16k16 shape for float16 and bfloat16
+OPERAND_DTYPES = ("float16", "bfloat16")  # both 2 bytes: the slices, pads and copies are the same
 WARP = 32
 VECTOR = 4  # elements per global -> shared copy, and per accumulator store
-SLICE_PAD = 8  # halves added to each operand slice's rows (dlight's storage_align)
+SLICE_PAD = 8  # elements added to each operand slice's rows (dlight's storage_align)
 
 
 @dataclass(frozen=True)
@@ -82,12 +87,40 @@ def gemm_extents(sch: s_tir.Schedule, block) -> tuple[int, int, int, int] | None
     return tuple(int(e.value) for e in extents)
 
 
+@functools.cache
+def wmma_intrinsics(operand_dtype: str) -> dict[str, str]:
+    """The names of TVM's wmma intrinsics this schedule tensorizes with, for operands of
+    ``operand_dtype``: operands loaded from ``shared.dyn``, the second transposed, float32
+    accumulators stored to ``shared.dyn``. TVM registers none for bfloat16 operands: their loads
+    and product are registered here, on first use, from TVM's generators, under the names TVM's
+    scheme gives them (``bf16`` for ``f16``); the float32 fill and store are float16's."""
+    # imported here, where a tensor-core GEMM needs it: the module registers every CUDA tensor
+    # intrinsic TVM has when it is imported, which takes about 18 s on this project's machine
+    from tvm.s_tir.tensor_intrin import cuda
+
+    group = cuda.get_wmma_intrin_group(load_scope="shared.dyn", store_scope="shared.dyn", in_dtype="float16",
+                                       out_dtype="float32", trans_b=True)
+    if operand_dtype == "float16":
+        return group
+    assert operand_dtype == "bfloat16", operand_dtype
+    generated = {
+        "load_a": cuda.get_wmma_load_intrin(FRAGMENT, FRAGMENT, FRAGMENT, "bfloat16", "shared.dyn", False, False),
+        "load_b": cuda.get_wmma_load_intrin(FRAGMENT, FRAGMENT, FRAGMENT, "bfloat16", "shared.dyn", True, True),
+        "compute": cuda.get_wmma_sync_intrin(FRAGMENT, FRAGMENT, FRAGMENT, "bfloat16", "float32", True),
+    }
+    for key, (desc, impl) in generated.items():
+        group[key] = group[key].replace("f16", "bf16")
+        if s_tir.TensorIntrin.get(group[key], allow_missing=True) is None:
+            s_tir.TensorIntrin.register(group[key], desc, impl)
+    return group
+
+
 def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int) -> s_tir.Schedule | None:
-    """``func`` (one GEMM-shaped reduction of float16 operands into float32, with or without
-    its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of ``threads``
-    threads, or None where it does not fit: other dtypes, not GEMM-shaped, sizes not whole tiles,
-    or a tile of other than ``threads / 32`` warps. Its tiles are bound to ``blockIdx.z`` (the
-    batch) and ``blockIdx.x``, as dlight binds them."""
+    """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
+    without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
+    ``threads`` threads, or None where it does not fit: other dtypes, not GEMM-shaped, sizes not
+    whole tiles, or a tile of other than ``threads / 32`` warps. Its tiles are bound to
+    ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them."""
     if tile.warps * WARP != threads:
         return None
     sch = s_tir.Schedule(func)
@@ -96,7 +129,8 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         return None
     main = reductions[0]
     stmt = sch.get(main)
-    if [str(r.source.dtype) for r in stmt.reads] != ["float16", "float16"] or \
+    operands = [str(r.source.dtype) for r in stmt.reads]
+    if operands not in [[dtype, dtype] for dtype in OPERAND_DTYPES] or \
             [str(w.source.dtype) for w in stmt.writes] != ["float32"]:
         return None
     try:
@@ -119,10 +153,6 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     _, rows, columns, depth = extents
     if rows % tile.rows or columns % tile.columns or depth % tile.depth:
         return None
-    # imported here, where a float16 GEMM needs it: the module registers every CUDA tensor
-    # intrinsic TVM has when it is imported, which takes about 18 s on this project's machine
-    from tvm.s_tir.tensor_intrin.cuda import get_wmma_intrin_group
-
     batch, i, j, k = sch.get_loops(main)
     i, i_inner = sch.split(i, [None, FRAGMENT])
     j, j_inner = sch.split(j, [None, FRAGMENT])
@@ -165,8 +195,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     fragments_init = sch.decompose_reduction(outer, k_chunk)
     init = sch.get_child_blocks(fragments_init)[0]
 
-    intrinsics = get_wmma_intrin_group(load_scope="shared.dyn", store_scope="shared.dyn", in_dtype="float16",
-                                       out_dtype="float32", trans_b=True)
+    intrinsics = wmma_intrinsics(operands[0])
 
     def in_fragments(block):
         """The block's last two loops split into 16 x 16 fragments, the loops over fragments

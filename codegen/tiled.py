@@ -165,10 +165,18 @@ def _guarded(stmt, guards: dict, loops: list):
 
 def on_chip_pointer(load: OnChip, buffer: tirx.Buffer, base, t, tile) -> tirx.PrimExpr:
     """Where the stage's view of the weight starts so that element ``tile * per_tile + e`` of
-    the weight is slot ``t``'s element e of the block's copy at ``base`` in ``buffer``."""
+    the weight is slot ``t``'s element e of the block's copy at ``base`` in ``buffer``.
+
+    A bfloat16 view is the buffer's pointer plus a byte offset: TVM's bfloat16 storage
+    legalization (the CPU's) retypes the buffer to uint16 but not the address of one of its
+    elements, and the view read every other element (tests/test_precision.py, paper LSTM O4)."""
     dtype = str(t.ty.dtype)
     n = tirx.const(load.per_tile, dtype)
-    return tirx.address_of(tirx.BufferLoad(buffer, [_as(base, dtype) + t * n - _as(tile, dtype) * n]))
+    offset = _as(base, dtype) + t * n - _as(tile, dtype) * n
+    if str(buffer.dtype) == "bfloat16":
+        return tirx.call_intrin("handle", "tirx.handle_add_byte_offset", buffer.data,
+                                offset * tirx.const(2, dtype))
+    return tirx.address_of(tirx.BufferLoad(buffer, [offset]))
 
 
 def on_chip_loads(load: OnChip, buffer: tirx.Buffer, block, grid, base, elements) -> tirx.Stmt:

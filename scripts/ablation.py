@@ -23,7 +23,7 @@ and checks against PyTorch under autocast.
 
     python scripts/ablation.py [MODEL...] [--config tiny|paper] [--levels 0,1,2,3,4] [--repeat N]
                                [--no-run] [--cuda] [--gpu] [--device h100|h200|a100]
-                               [--precision fp32|fp16] [--name NAME]
+                               [--precision fp32|fp16|bf16] [--name NAME]
 
 CPU latencies rank the levels by the work they do, not by what a GPU would take: on the CPU a
 kernel launch and a grid barrier cost nothing. The results go to
@@ -172,7 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="h100", choices=GPUS,
                    help="GPU device model of the latency estimate and the cuda build (default h100)")
     p.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS),
-                   help="compute precision (fp16: float16 with float32 accumulation, checked against autocast)")
+                   help="compute precision (fp16, bf16: float16 or bfloat16 with float32 accumulation, checked "
+                        "against autocast)")
     p.add_argument("--name", help="results file name in benchmarks/results (default ablation_<config>, "
                                   "ablation_<config>_<precision> for another precision than fp32)")
     args = p.parse_args(argv)

@@ -4,8 +4,9 @@
 #   bash scripts/gpu_export.sh DIR [PACK]
 #
 # writes bundles into DIR (benchmarks/gpu_kernels.py export: every model, tiny at O0-O4 and at
-# fp16, paper at O0-O4 and at fp16 (O4), each with static.json and, for one-kernel programs with
-# grid barriers, its timeline build; and the compiler variants of benchmarks/gpu_variants.py,
+# fp16 and bf16 (O4), paper at O0-O4 and at fp16 (O4) and BERT at bf16 (O4), each with
+# static.json and, for one-kernel programs with grid barriers, its timeline build; and the
+# compiler variants of benchmarks/gpu_variants.py,
 # each beside its base), the commit into DIR/COMMIT, and packs DIR into PACK
 # (default DIR.tar.xz), which must stay under the 64 MiB a lent GPU machine is sent. Compiles
 # that were done before come from nvcc's cache. Then, on the GPU machine:
@@ -19,6 +20,8 @@ export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir"
 "${export[@]}" --configs tiny --levels 4 --precisions fp16
 "${export[@]}" --configs paper --levels 3 4
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models lstm bert resnext mmoe swin
+"${export[@]}" --configs tiny --levels 4 --precisions bf16
+"${export[@]}" --configs paper --levels 4 --precisions bf16 --models bert
 # compiler variants (benchmarks/gpu_variants.py), each timed beside its base: what the H200 run asked
 "${export[@]}" --configs tiny paper --levels 4 --models lstm --variant no-on-chip
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert resnext swin --variant two-blocks

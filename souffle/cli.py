@@ -12,6 +12,7 @@ import numpy as np
 
 from souffle.errors import SouffleError
 from souffle.precision import DEFAULT_PRECISION
+from souffle.tensor import is_float
 
 
 def _compile(args) -> int:
@@ -92,7 +93,7 @@ def _input_shapes(options: list[str]) -> dict[str, tuple[int, ...]]:
 def _random_inputs(graph, seed: int) -> dict[str, np.ndarray]:
     """Seeded inputs for an imported model: normal floats, integers 0 or 1 (valid ids and masks)."""
     rng = np.random.default_rng(seed)
-    return {spec.name: rng.standard_normal(spec.shape).astype(spec.dtype) if spec.dtype.startswith("float")
+    return {spec.name: rng.standard_normal(spec.shape).astype(spec.dtype) if is_float(spec.dtype)
             else rng.integers(0, 2, spec.shape).astype(spec.dtype) for spec in graph.inputs}
 
 
@@ -173,8 +174,8 @@ def _parser() -> argparse.ArgumentParser:
                                   "1 +horizontal and LSTM wavefront, 2 +vertical, 3 +global sync, "
                                   "4 +post-optimizations (default)")
     compile_cmd.add_argument("--precision", default=DEFAULT_PRECISION,
-                             help="what the model computes in: fp32 (default) or fp16 (weights converted at compile "
-                                  "time, GEMMs and reductions accumulate in fp32; inputs and outputs stay fp32)")
+                             help="what the model computes in: fp32 (default), fp16 or bf16 (weights converted at "
+                                  "compile time, GEMMs and reductions accumulate in fp32; inputs and outputs stay fp32)")
     compile_cmd.add_argument("--emit-source", metavar="FILE",
                              help="write the generated CUDA source to FILE (targets cuda, cuda-emulated)")
     compile_cmd.add_argument("--thread-order", default="ascending", choices=("ascending", "descending", "random"),

@@ -63,7 +63,7 @@ def compile(graph: Graph, target: str = "llvm", device: str | None = None, threa
     coverage, deadlock, launch fit), a ``ValidationError`` if one is unsafe; None takes the
     pipeline's default (``codegen.pipelines.VALIDATE_BY_DEFAULT``), False is for debugging.
 
-    ``precision`` (``souffle.precision``): ``"fp32"`` (default) or ``"fp16"``, the weights
+    ``precision`` (``souffle.precision``): ``"fp32"`` (default), ``"fp16"`` or ``"bf16"``, the weights
     converted once at compile time, GEMMs and reductions accumulating in float32; the model's
     float inputs and outputs stay float32.
     """

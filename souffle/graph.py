@@ -17,7 +17,8 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from souffle.errors import GraphError, WeightError
-from souffle.tensor import TensorSpec, dimension  # defined apart so that souffle.ops need not import the graph
+# defined apart so that souffle.ops need not import the graph
+from souffle.tensor import TensorSpec, dimension, is_float, ml_dtypes
 
 
 def _infer_outputs(kind: str, in_specs: Sequence[TensorSpec], attrs: Mapping[str, object], name: str):
@@ -228,7 +229,7 @@ class Graph:
 def _conversion_note(source: str, dtype: str, count: int) -> str:
     """How ``count`` weights given as ``source`` became the parameters' ``dtype``; a float narrowed
     to a smaller float is rounded to nearest (``_lost_values`` refuses only a value that overflows)."""
-    rounded = dtype.startswith("float") and np.dtype(dtype).itemsize < _itemsize(source)
+    rounded = is_float(dtype) and np.dtype(dtype).itemsize < _itemsize(source)
     return f"{count} tensor{'s' if count > 1 else ''} converted {source} -> {dtype}" + \
         (" (rounded to nearest)" if rounded else "")
 
@@ -272,7 +273,7 @@ def _owned_weight(array: np.ndarray, source: str, dtype: np.dtype, where: str) -
     caller editing its array later nor an in-place edit of ``graph.weights`` changes the model."""
     if array.dtype == dtype and array.flags.owndata and not array.flags.writeable and array.flags.c_contiguous:
         return array  # already read-only memory of its own (another graph's weight): nothing can change it
-    if array.dtype.kind not in "fiu":
+    if array.dtype.kind not in "fiu" and not is_float(array.dtype):
         raise WeightError(f"{where} has non-numeric dtype {array.dtype}")
     with np.errstate(over="ignore", invalid="ignore"):
         owned = array.astype(dtype, order="C")
@@ -292,18 +293,19 @@ def _lost_values(array: np.ndarray, source: str, converted: np.ndarray) -> tuple
     narrower float's nearest value (as every float64 state_dict does), but may not overflow it."""
     dtype = converted.dtype
     inexact = f"cannot be held exactly by {dtype}"
-    if dtype.kind == "f" and array.dtype.kind == "f":
+    if is_float(dtype) and is_float(array.dtype):
         if source in ("float32", "float64"):
-            return np.isfinite(array) & ~np.isfinite(converted), f"overflow {dtype}, whose largest is {np.finfo(dtype).max:g}"
+            largest = float(ml_dtypes.finfo(dtype).max) if ml_dtypes else float(np.finfo(dtype).max)
+            return np.isfinite(array) & ~np.isfinite(converted), f"overflow {dtype}, whose largest is {largest:g}"
         back = converted.astype(array.dtype)
         return (back != array) & ~(np.isnan(array) & np.isnan(back)), inexact
-    if dtype.kind == "f":  # from integers: kept if the float is in the integers' range and converts back to them
+    if is_float(dtype):  # from integers: kept if the float is in the integers' range and converts back to them
         wide = converted.astype(np.float64)  # every float16 and float32 value, and the range's bounds, exactly
         low, high = _integer_range(array.dtype)
         kept = np.isfinite(wide) & (wide >= low) & (wide < high)
         kept &= np.where(kept, wide, 0).astype(array.dtype) == array
         return ~kept, inexact
-    if array.dtype.kind == "f":  # to integers: whole numbers in their range
+    if is_float(array.dtype):  # to integers: whole numbers in their range
         wide = array.astype(np.float64)
         low, high = _integer_range(dtype)
         return ~(np.isfinite(wide) & (np.trunc(wide) == wide) & (wide >= low) & (wide < high)), inexact

@@ -1,12 +1,14 @@
-"""Compute precision: a float32 model computed in float16 (``souffle.compile(..., precision=)``).
+"""Compute precision: a float32 model computed in float16 or bfloat16
+(``souffle.compile(..., precision=)``).
 
 Mixed precision as torch.autocast and cuBLAS do it: the weights are converted once, at
-compile time, and every float tensor inside the model is float16, while
+compile time, and every float tensor inside the model is float16 (``fp16``) or bfloat16
+(``bf16``: float32's range, 8 bits of significand), while
 
-- GEMM-shaped ops (dense, matmul, batch_matmul, conv2d) multiply float16 operands and
-  accumulate in float32 (``out_dtype`` of TVM's topi), then round to float16, the form TVM's
-  tensor-core rules match;
-- ops whose float16 arithmetic would lose the answer (softmax, layer and batch norm,
+- GEMM-shaped ops (dense, matmul, batch_matmul, conv2d) multiply narrow operands and
+  accumulate in float32 (``out_dtype`` of TVM's topi), then round to the narrow type, the form
+  the tensor-core schedules match (``codegen.tensor_core``);
+- ops whose narrow arithmetic would lose the answer (softmax, layer and batch norm,
   reductions, exp/log/erf/tanh and the activations built on them) compute in float32 and
   round their outputs (``souffle.ops.registry``: the rules registered ``widen=True``);
 - the model's float inputs and outputs stay float32: a cast is the first op that reads an
@@ -22,16 +24,19 @@ import numpy as np
 from souffle import recipe
 from souffle.errors import SouffleError
 from souffle.graph import Graph, Op, Scan
-from souffle.tensor import TensorSpec
+from souffle.tensor import TensorSpec, ml_dtypes
 
-PRECISIONS = {"fp32": "float32", "fp16": "float16"}
+PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_PRECISION = "fp32"
-PLANNED = ("tf32", "bf16")  # in the issue's list; refused by name until their path exists
+PLANNED = ("tf32",)  # in the issue's list; refused by name until its path exists
 
 
 def check_precision(precision: str) -> str:
     """``precision`` if this compiler computes in it, else a SouffleError naming the choices."""
     if precision in PRECISIONS:
+        if PRECISIONS[precision] == "bfloat16" and ml_dtypes is None:
+            raise SouffleError(f"precision {precision!r} needs numpy's bfloat16 from ml_dtypes; install it with "
+                               f"`pip install ml_dtypes`")
         return precision
     if precision in PLANNED:
         raise SouffleError(f"precision {precision!r} is not implemented yet; available: {', '.join(PRECISIONS)}")
@@ -109,8 +114,9 @@ def _converted_weights(graph: Graph, dtype: str) -> dict[str, np.ndarray]:
             overflow = np.isfinite(array) & ~np.isfinite(narrow)
             if overflow.any():
                 first = array.reshape(-1)[np.flatnonzero(overflow)[0]].item()
+                largest = float(ml_dtypes.finfo(dtype).max)
                 raise SouffleError(f"weight {name!r} of {graph.name!r}: {np.count_nonzero(overflow)} values overflow "
-                                   f"{dtype}, whose largest is {float(np.finfo(dtype).max):g} (the first: {first!r}); "
+                                   f"{dtype}, whose largest is {largest:g} (the first: {first!r}); "
                                    f"compile it at precision fp32")
             converted[name] = narrow
     return converted

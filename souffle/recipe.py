@@ -23,6 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from souffle.errors import SouffleError
+from souffle.tensor import converted
 
 
 def model(name: str) -> list:
@@ -79,7 +80,7 @@ def evaluate(recipe: list, weights: Mapping[str, np.ndarray]) -> np.ndarray:
     if kind == "const":
         return np.asarray(recipe[3], dtype=recipe[1]).reshape(recipe[2])
     if kind == "cast":
-        return np.asarray(evaluate(recipe[2], weights)).astype(recipe[1])
+        return converted(evaluate(recipe[2], weights), recipe[1])
     raise SouffleError(f"unknown weight recipe {kind!r}")
 
 

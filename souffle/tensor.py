@@ -12,9 +12,43 @@ from dataclasses import dataclass
 
 import numpy as np
 
+try:  # registers numpy's "bfloat16" dtype (TVM's arrays use it); absent where only kernels run
+    import ml_dtypes  # noqa: F401
+except ImportError:  # the GPU machine's Python: numpy, torch and cuda-bindings, no bfloat16 models
+    ml_dtypes = None
+
 from souffle.errors import GraphError
 
-SUPPORTED_DTYPES = ("float32", "float16", "int32", "int64")
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "int32", "int64")
+# what the importers take; a bfloat16 model is a float32 one compiled at precision="bf16"
+IMPORTED_DTYPES = ("float32", "float16", "int32", "int64")
+NARROW_FLOATS = ("float16", "bfloat16")  # computed in float32 where their arithmetic would lose the answer
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """numpy's dtype for the dtype ``name``: bfloat16 is ml_dtypes' where it is installed, else
+    uint16 holding its bits (the GPU machine runs kernels, it computes nothing in bfloat16)."""
+    if name == "bfloat16" and ml_dtypes is None:
+        return np.dtype(np.uint16)
+    return np.dtype(name)
+
+
+def converted(array, name: str) -> np.ndarray:
+    """``array`` converted to the dtype ``name``, floats rounded to nearest even; to bfloat16
+    without ml_dtypes, as its bits (``numpy_dtype``), rounded as ml_dtypes and the GPU round."""
+    array = np.asarray(array)
+    if name != "bfloat16" or ml_dtypes is not None:
+        return array.astype(name)
+    bits = array.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    quiet_nan = ((bits >> 16) | 0x40).astype(np.uint16)  # a NaN stays a NaN: its sign and top bits, made quiet
+    return np.where(np.isnan(array), quiet_nan, rounded)
+
+
+def is_float(dtype) -> bool:
+    """Whether ``dtype`` (a name, or TVM's or numpy's dtype) is floating-point: bfloat16's name
+    does not start with "float"."""
+    return str(dtype).startswith(("float", "bfloat"))
 
 # TVM indexes a buffer whose size fits in int32 with 32-bit integers, and every tensor is one flat
 # buffer (or a slot of an arena, reached through a 64-bit pointer offset): an element index past

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from souffle import models, recipe
+from souffle import models, recipe, tensor
 from souffle.runtime.artifact import Launcher
 from souffle.runtime.check import Check
 from souffle.runtime.emulated import EmulatedDevice
@@ -19,12 +19,13 @@ from souffle.runtime.emulated import EmulatedDevice
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_kernels.py"
 
-# Run in a fresh interpreter where importing TVM fails, as on the GPU machine: the bundle loads,
-# its weights are rebuilt from the model's seeded initialisation, and it runs on the emulated
-# device, outputs poisoned first.
+# Run in a fresh interpreter where importing TVM (and ml_dtypes, numpy's bfloat16) fails, as on the
+# GPU machine: the bundle loads, its weights are rebuilt from the model's seeded initialisation,
+# and it runs on the emulated device, outputs poisoned first.
 WITHOUT_TVM = textwrap.dedent("""
     import json, sys
     sys.modules["tvm"] = None
+    sys.modules["ml_dtypes"] = None
     from souffle.runtime.artifact import Launcher
     from souffle.runtime.check import Check
     from souffle.runtime.emulated import EmulatedDevice
@@ -78,6 +79,24 @@ def test_bundles_are_named_by_level_and_precision_and_run_without_tvm(tmp_path):
     assert Check.load(tmp_path / "mmoe_tiny_O4_fp16").rtol == models.tolerance("mmoe", "tiny", "fp16")[0]
     for name in ("mmoe_tiny_O0", "mmoe_tiny_O4_fp16"):
         assert _run_without_tvm(tmp_path / name) == {"passes": True, "tvm": False}
+
+
+def test_a_bf16_bundle_rebuilds_its_bfloat16_weights_without_ml_dtypes(tmp_path, monkeypatch):
+    """The GPU machine's Python has no ml_dtypes: the bundle's bfloat16 weights are rebuilt as
+    their bits, rounded as ml_dtypes rounds them, and the kernel matches bfloat16 autocast."""
+    _export(tmp_path, "--models", "mmoe", "--configs", "tiny", "--levels", "4", "--precisions", "bf16")
+    bundle = tmp_path / "mmoe_tiny_O4_bf16"
+    check = Check.load(bundle)
+    assert check.rtol == models.tolerance("mmoe", "tiny", "bf16")[0]
+    narrow = [w["buffer"] for w in check.artifact.weights if w["dtype"] == "bfloat16"]
+    assert narrow
+    with_ml_dtypes = check.artifact.weight_arrays()
+    monkeypatch.setattr(tensor, "ml_dtypes", None)
+    as_bits = check.artifact.weight_arrays()
+    for name in narrow:
+        assert str(with_ml_dtypes[name].dtype) == "bfloat16" and as_bits[name].dtype == np.uint16
+        np.testing.assert_array_equal(as_bits[name], with_ml_dtypes[name].view(np.uint16))
+    assert _run_without_tvm(bundle) == {"passes": True, "tvm": False}
 
 
 def test_poisoned_outputs_show_an_unwritten_result(tmp_path):

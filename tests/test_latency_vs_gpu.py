@@ -21,6 +21,7 @@ def test_bundle_names_and_devices():
     assert latency_vs_gpu.bundle_fields("bert_paper_O4_fp16") == {"model": "bert", "config": "paper", "level": 4,
                                                                    "precision": "fp16"}
     assert latency_vs_gpu.bundle_fields("lstm_tiny_O0")["precision"] == "fp32"
+    assert latency_vs_gpu.bundle_fields("bert_paper_O4_bf16")["precision"] == "bf16"
     with pytest.raises(ValueError, match="not a bundle name"):
         latency_vs_gpu.bundle_fields("lstm_paper_fast")
     assert latency_vs_gpu.device_model("NVIDIA H200") == "h200"

@@ -2,7 +2,8 @@
 rule in the persistent kernel's block shape, wmma fragments fed from shared-memory slices. Checked
 against the expected tiles, by the thread-level validator (which models wmma's warp-collective
 loads and stores) with mutants, on emulated CUDA threads (the emulator's mma.h) against PyTorch,
-and on paper BERT's kernel (issue 16's acceptance)."""
+and on paper BERT's kernel (issue 16's acceptance); the emulated runs and the latency model also
+at bfloat16 (tests/test_bf16_cuda.py checks bfloat16 stages apart from the front end)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import islpy as isl
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
@@ -34,6 +36,7 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs the ho
 
 # BERT with GEMMs large enough for tensor-core tiles (its tiny configuration's are not)
 BERT_GEMMS = {"seq": 128, "hidden": 64, "heads": 2, "ffn": 128, "max_positions": 128}
+NARROW = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}  # precision -> the numpy type its operands round to
 
 
 @pytest.fixture
@@ -81,14 +84,14 @@ def test_tensor_cores_are_not_used_where_they_do_not_fit():
     assert matmul_stage(_dense(256, 256, 128)) is not None  # the SIMT form stays a candidate
 
 
-def _relu_dense(m: int, n: int, k: int):
+def _relu_dense(m: int, n: int, k: int, narrow=np.float16):
     rng = np.random.default_rng(0)
     builder = GraphBuilder("tc")
     x = builder.input("x", (m, k))
     w = builder.param("w", (rng.standard_normal((n, k)) * 0.1).astype(np.float32))
     graph = builder.build(builder.op("relu", builder.op("dense", x, w)))
     inputs = {"x": rng.standard_normal((m, k)).astype(np.float32)}
-    rounded = [inputs["x"].astype(np.float16).astype(np.float32), graph.weights["w"].astype(np.float16).astype(np.float32)]
+    rounded = [inputs["x"].astype(narrow).astype(np.float32), graph.weights["w"].astype(narrow).astype(np.float32)]
     return graph, inputs, np.maximum(rounded[0] @ rounded[1].T, 0)
 
 
@@ -143,10 +146,11 @@ def test_a_wmma_operation_on_half_a_warp_is_caught():
 
 @needs_gxx
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+@pytest.mark.parametrize("precision", NARROW)
 @pytest.mark.parametrize("m, n, k", [(128, 128, 128), (64, 256, 128), (256, 192, 128)])  # each tile first
-def test_tensor_core_stages_match_numpy_on_emulated_threads(m, n, k):
-    graph, inputs, expected = _relu_dense(m, n, k)
-    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+def test_tensor_core_stages_match_numpy_on_emulated_threads(m, n, k, precision):
+    graph, inputs, expected = _relu_dense(m, n, k, NARROW[precision])
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
     assert "nvcuda::wmma::mma_sync" in model.source
     for order in ("ascending", "descending"):
         (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
@@ -155,22 +159,24 @@ def test_tensor_core_stages_match_numpy_on_emulated_threads(m, n, k):
 
 @needs_gxx
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
-def test_bert_on_tensor_cores_matches_pytorch_at_fp16_on_emulated_threads():
+@pytest.mark.parametrize("precision", NARROW)
+def test_bert_on_tensor_cores_matches_pytorch_on_emulated_threads(precision):
     graph = models.build("bert", BERT_GEMMS, seed=0)
     inputs = models.make_inputs("bert", BERT_GEMMS, seed=0)
-    expected = models.reference("bert", BERT_GEMMS, graph.weights, "fp16")(inputs)
-    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+    expected = models.reference("bert", BERT_GEMMS, graph.weights, precision)(inputs)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
     # QKV, attention output, FFN1 and FFN2; Q.K^T and P.V reduce or produce 32 per head, under one tile
     assert sum(s.schedule.template == "tensor_core" for s in model.kernel_plan.staged.stages()) == 4
-    rtol, atol = models.tolerance("bert", "tiny", "fp16")
+    rtol, atol = models.tolerance("bert", "tiny", precision)
     for order in ("ascending", "descending"):
         for output, reference in zip(model.schedule(order, model.emulator.sms + 1, seed=5).run(inputs), expected):
             np.testing.assert_allclose(output, reference, rtol=rtol, atol=atol, err_msg=order)
 
 
-def test_the_latency_model_counts_tensor_core_stages_at_the_tensor_core_peak():
-    staged = run_passes(models.build("bert", BERT_GEMMS), "cuda", stop="plan_arena", precision="fp16").ir
+@pytest.mark.parametrize("precision, dtype", [("fp16", "float16"), ("bf16", "bfloat16")])
+def test_the_latency_model_counts_tensor_core_stages_at_the_tensor_core_peak(precision, dtype):
+    staged = run_passes(models.build("bert", BERT_GEMMS), "cuda", stop="plan_arena", precision=precision).ir
     estimate = latency_estimate(staged, H100)
     on_tensor_cores = [s for s in estimate.stages if s.work.template == "tensor_core"]
-    assert on_tensor_cores and all(s.work.tensor_core and s.work.dtype == "float16" for s in on_tensor_cores)
+    assert on_tensor_cores and all(s.work.tensor_core and s.work.dtype == dtype for s in on_tensor_cores)
     assert all(0 < s.fraction_of_peak <= 1 for s in on_tensor_cores)

@@ -16,6 +16,7 @@ from souffle.importers import recurrent
 from souffle.importers.rows import constant_rows
 from souffle.importers.sums import is_short_sum, sum_of_slices
 from souffle.ops.logical import MASK_DTYPE
+from souffle.tensor import is_float
 
 getitem = operator.getitem
 
@@ -70,7 +71,7 @@ def _scalar_tensor(ctx, number):
 
 def _binary(ctx, kind: str, a, b):
     a, b = _promoted(ctx, a), _promoted(ctx, b)
-    floating = ctx.out_dtype().startswith("float")
+    floating = is_float(ctx.out_dtype())
     if floating and kind == "mul" and _is_number(b):
         return ctx.op("scale", a, factor=float(b))
     if floating and kind == "mul" and _is_number(a):
@@ -415,7 +416,7 @@ def _operand_dtype(ctx, *values) -> str:
     """The dtype two operands of a comparison meet in: torch's promotion for the cases masks use
     (a float wins, then the widest integer; a bool mask counts as int32; a number takes the tensor's)."""
     dtypes = [MASK_DTYPE if ctx.dtype(v) == "bool" else ctx.dtype(v) for v in values if not _is_number(v)]
-    floats = [d for d in dtypes if d.startswith("float")]
+    floats = [d for d in dtypes if is_float(d)]
     if floats:
         return floats[0]
     if any(_is_number(v) and isinstance(v, float) for v in values):
@@ -501,7 +502,7 @@ def _index(ctx, x, indices):
     if kept.numel() == math.prod(shape) and bool((kept.reshape(-1) == torch.arange(kept.numel())).all()):
         laid_out = x if tuple(kept.shape) == shape else ctx.op("reshape", x, shape=tuple(kept.shape))
         return laid_out if tuple(kept.shape) == out_shape else ctx.op("expand", laid_out, shape=out_shape)
-    if not ctx.spec(x).dtype.startswith("float"):
+    if not is_float(ctx.spec(x).dtype):
         ctx.fail("gathering elements by constant indices is supported for float tensors only")
     table = ctx.op("reshape", x, shape=(math.prod(shape), 1))
     gathered = ctx.op("embedding", table, ctx.constant(positions, f"{ctx.node.name}.positions"))

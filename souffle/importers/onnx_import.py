@@ -24,7 +24,7 @@ from souffle.importers.prune import without_dead_ops
 from souffle.importers.repeats import fold_repeated_blocks
 from souffle.naming import UniqueNames
 from souffle.ops.logical import MASK_DTYPE
-from souffle.tensor import SUPPORTED_DTYPES
+from souffle.tensor import IMPORTED_DTYPES
 
 __all__ = ["OPSETS", "from_onnx"]
 
@@ -71,8 +71,8 @@ def from_onnx(path_or_model, input_shapes: dict[str, tuple[int, ...]] | None = N
 
 def _dtype(array_dtype, what: str) -> str:
     dtype = str(np.dtype(array_dtype))
-    if dtype not in SUPPORTED_DTYPES:
-        raise ModelImportError(f"{what} is {dtype}; souffle computes in {', '.join(SUPPORTED_DTYPES)}")
+    if dtype not in IMPORTED_DTYPES:
+        raise ModelImportError(f"{what} is {dtype}; souffle imports {', '.join(IMPORTED_DTYPES)}")
     return dtype
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from souffle.importers import recurrent
 from souffle.importers.rows import constant_rows
 from souffle.importers.sums import is_short_sum, sum_of_slices
+from souffle.tensor import is_float
 
 RULES: dict[str, object] = {}
 
@@ -71,7 +72,7 @@ def _binary(ctx, inputs, attrs):
     kind = ctx.node.op_type.lower()
     a, b = inputs
     factor = _scalar(ctx, b)
-    if kind in ("mul", "div") and factor is not None and ctx.dtype(a).startswith("float") and \
+    if kind in ("mul", "div") and factor is not None and is_float(ctx.dtype(a)) and \
             len(ctx.shape(b)) <= len(ctx.shape(a)) and factor != 0:
         return ctx.op("scale", a, factor=float(factor if kind == "mul" else 1.0 / factor))
     if kind == "add":
@@ -118,7 +119,7 @@ def _clip(ctx, inputs, attrs):
     return ctx.op("clamp", x, min=bounds[0], max=bounds[1])
 
 
-_DTYPES = {1: "float32", 6: "int32", 7: "int64", 10: "float16"}
+_DTYPES = {1: "float32", 6: "int32", 7: "int64", 10: "float16", 16: "bfloat16"}
 
 
 @rule("Cast")
@@ -239,7 +240,7 @@ def _gather(ctx, inputs, attrs):
     data, indices = inputs
     axis = attrs.get("axis", 0) % len(ctx.shape(data))
     if ctx.is_constant(indices):
-        if axis == 0 and len(ctx.shape(data)) >= 2 and ctx.dtype(data).startswith("float"):
+        if axis == 0 and len(ctx.shape(data)) >= 2 and is_float(ctx.dtype(data)):
             out_shape = tuple(indices.value.shape) + ctx.shape(data)[1:]
             rows = constant_rows(ctx, data, indices.value, out_shape)
             if rows is not None:
@@ -252,7 +253,7 @@ def _gather(ctx, inputs, attrs):
             piece = ctx.op("slice", data, begin=[start], end=[start + picks.size], axis=[axis])
             shape = ctx.shape(data)[:axis] + tuple(indices.value.shape) + ctx.shape(data)[axis + 1:]
             return _reshaped(ctx, piece, shape)
-    elif axis == 0 and len(ctx.shape(data)) == 2 and ctx.dtype(data).startswith("float"):
+    elif axis == 0 and len(ctx.shape(data)) == 2 and is_float(ctx.dtype(data)):
         return ctx.op("embedding", data, indices)
     return ctx.op("take", data, indices, axis=axis)
 
@@ -274,7 +275,7 @@ def _matmul(ctx, inputs, attrs):
     a, b = inputs
     if len(ctx.shape(a)) < 2 or len(ctx.shape(b)) < 2:
         ctx.fail("1-D MatMul operands are not supported")
-    if ctx.is_constant(b) and len(ctx.shape(b)) == 2 and ctx.dtype(b).startswith("float"):
+    if ctx.is_constant(b) and len(ctx.shape(b)) == 2 and is_float(ctx.dtype(b)):
         # torch.nn.Linear on more than two dimensions, as exported: a dense on the weight (its
         # transpose, (out_features, in_features) again), which horizontal fusion merges with the
         # dense ops reading the same input; a bias added next joins it (``_binary``)

@@ -29,7 +29,7 @@ from souffle.importers.prune import without_dead_ops
 from souffle.importers.repeats import fold_repeated_blocks
 from souffle.naming import UniqueNames
 from souffle.ops.logical import MASK_DTYPE
-from souffle.tensor import SUPPORTED_DTYPES
+from souffle.tensor import IMPORTED_DTYPES
 
 __all__ = ["from_torch"]
 
@@ -107,10 +107,10 @@ def _export(module, args: tuple, kwargs: dict, dynamic_shapes):
 
 def _dtype(tensor, what: str) -> str:
     dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype not in SUPPORTED_DTYPES:
+    if dtype not in IMPORTED_DTYPES:
         raise ModelImportError(
-            f"{what} is {dtype}; souffle computes in {', '.join(SUPPORTED_DTYPES)} "
-            f"(convert the module first, e.g. module.float())")
+            f"{what} is {dtype}; souffle imports {', '.join(IMPORTED_DTYPES)} (convert the module first, e.g. "
+            f"module.float(), and compile it with precision='fp16' or 'bf16' to compute in a narrow type)")
     return dtype
 
 

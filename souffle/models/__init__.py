@@ -41,7 +41,7 @@ import numpy as np
 
 from souffle.errors import ConfigError, InputError, SouffleError, UnknownModelError, WeightError
 from souffle.graph import Graph
-from souffle.precision import check_precision
+from souffle.precision import PRECISIONS, check_precision
 
 MODELS = ("lstm", "bert", "resnext", "mmoe", "efficientnet", "swin")
 
@@ -95,10 +95,10 @@ def make_inputs(name: str, config: Config = "tiny", seed: int = 0) -> dict[str, 
 def reference(name: str, config: Config, weights: Mapping[str, object],
               precision: str = "fp32") -> Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]:
     """A function computing model ``name``'s outputs with PyTorch, in graph output order, as
-    float32 arrays. At ``precision="fp16"`` PyTorch runs under ``torch.autocast`` (float16
-    GEMMs and convolutions, float32 norms and softmax: the mixed precision ``souffle.precision``
-    compiles), except where autocast has no float16 CPU kernel (``torch.nn.LSTM``: oneDNN has
-    none), which computes in float32 from the weights rounded to float16."""
+    float32 arrays. At ``precision="fp16"`` or ``"bf16"`` PyTorch runs under ``torch.autocast``
+    in that dtype (narrow GEMMs and convolutions, float32 norms and softmax: the mixed precision
+    ``souffle.precision`` compiles), except where autocast has no such CPU kernel
+    (``torch.nn.LSTM``: oneDNN has none), which computes in float32 from the weights rounded to it."""
     try:
         import torch
     except ImportError:
@@ -112,28 +112,31 @@ def reference(name: str, config: Config, weights: Mapping[str, object],
     checked = module.build_graph(cfg, weights).weights
     if precision == "fp32":
         return module.torch_reference(cfg, checked)
+    narrow = PRECISIONS[precision]
     if not getattr(module, "AUTOCAST", True):
-        rounded = {k: v.astype(np.float16).astype(np.float32) if v.dtype == np.float32 else v for k, v in checked.items()}
+        rounded = {k: v.astype(narrow).astype(np.float32) if v.dtype == np.float32 else v for k, v in checked.items()}
         return module.torch_reference(cfg, rounded)
     run = module.torch_reference(cfg, checked)
 
     def autocast(inputs):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=getattr(torch, narrow)):
             return [np.asarray(output, dtype=np.float32) for output in run(inputs)]
 
     return autocast
 
 
 FP16_TOLERANCE = (1e-2, 1e-2)  # float16's 11-bit significand: each of both sides rounds at about 5e-4 of a value
+BF16_TOLERANCE = (5e-2, 5e-2)  # bfloat16's 8-bit significand: each rounding at about 4e-3 of a value
+NARROW_TOLERANCES = {"fp16": FP16_TOLERANCE, "bf16": BF16_TOLERANCE}
 
 
 def tolerance(name: str, config: Config = "tiny", precision: str = "fp32") -> tuple[float, float]:
     """(rtol, atol) within which Souffle's outputs must match the PyTorch reference; a config
     given as a dict or an object gets the loosest of the named configs' (it may be as large as
-    the largest of them). At fp16 both sides round differently: ``FP16_TOLERANCE``."""
+    the largest of them). At fp16 and bf16 both sides round differently: ``NARROW_TOLERANCES``."""
     _config(name, config)
-    if check_precision(precision) == "fp16":
-        return FP16_TOLERANCE
+    if check_precision(precision) in NARROW_TOLERANCES:
+        return NARROW_TOLERANCES[precision]
     tolerances = get(name).TOLERANCE
     if isinstance(config, str):
         return tuple(tolerances[config])

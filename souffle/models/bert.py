@@ -389,6 +389,6 @@ def torch_reference(cfg, weights):
     def run(inputs):
         with torch.no_grad():
             outputs = model(**{name: torch.from_numpy(value) for name, value in inputs.items()})
-        return [output.numpy() for output in outputs]
+        return [output.float().numpy() for output in outputs]
 
     return run

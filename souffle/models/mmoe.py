@@ -108,6 +108,6 @@ def torch_reference(cfg: dict, weights: dict[str, np.ndarray]):
 
     def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         with torch.no_grad():
-            return [y.numpy() for y in model(torch.from_numpy(np.asarray(inputs["x"], dtype=np.float32)))]
+            return [y.float().numpy() for y in model(torch.from_numpy(np.asarray(inputs["x"], dtype=np.float32)))]
 
     return run

@@ -216,6 +216,6 @@ def torch_reference(cfg, weights):
 
     def run(inputs):
         with torch.no_grad():
-            return [model(torch.from_numpy(inputs["x"])).numpy()]
+            return [model(torch.from_numpy(inputs["x"])).float().numpy()]
 
     return run

@@ -13,6 +13,7 @@ from numbers import Integral, Real
 from tvm import tirx
 
 from souffle.ops.registry import fail
+from souffle.tensor import is_float
 
 
 def shape_of(tensor) -> tuple[int, ...]:
@@ -50,11 +51,19 @@ def ieee_constant(value, dtype: str):
     meets another tensor wherever a constant tensor (``full``) or factor (``scale``) is inlined
     into its consumer. A float zero is therefore written as fabs(0.0), a call that TVM keeps and
     that LLVM and nvcc fold to the constant without the unsafe rewrite (they assume IEEE).
+
+    A bfloat16 zero or infinity is the float32 one, written so, converted: TVM's bfloat16
+    legalization widens arithmetic to float32 but not a call's vector of bfloat16 (it failed on a
+    vectorized fabs), and its CUDA code generator prints a bfloat16 infinity as
+    ``__float2bfloat16_rn(-inff)``, which nvcc refuses, and would fold a converted literal back.
     """
-    if not dtype.startswith("float") or value != 0:
+    narrow_infinity = dtype == "bfloat16" and is_real(value) and math.isinf(value)
+    if not is_float(dtype) or (value != 0 and not narrow_infinity):
         return tirx.const(value, dtype)
-    zero = tirx.call_intrin(dtype, "tirx.fabs", tirx.const(0.0, dtype))
-    return zero * tirx.const(-1.0, dtype) if math.copysign(1.0, value) < 0 else zero
+    wide = "float32" if dtype == "bfloat16" else dtype
+    magnitude = tirx.call_intrin(wide, "tirx.fabs", tirx.const(abs(value), wide))
+    signed = magnitude * tirx.const(-1.0, wide) if math.copysign(1.0, value) < 0 else magnitude
+    return signed if wide == dtype else tirx.Cast(dtype, signed)
 
 
 def ieee_sub(a, b):
@@ -65,7 +74,7 @@ def ieee_sub(a, b):
     one tensor or after inlining. It has no such rule for the sum, and LLVM turns the sum back
     into one subtraction (exact), so the form costs nothing.
     """
-    if not str(a.ty.dtype).startswith("float"):
+    if not is_float(str(a.ty.dtype)):
         return a - b
     return a + b * tirx.const(-1.0, a.ty.dtype)
 
@@ -78,12 +87,17 @@ def nan_max(a, b):
     NaN: a comparison with NaN is false, so a NaN ``a`` is kept. A constant ``b`` (relu's 0) is
     never NaN, and the select alone is one vector max instruction that keeps NaN.
     """
-    if not str(a.ty.dtype).startswith("float"):
+    if not is_float(str(a.ty.dtype)):
         return tirx.max(a, b)
     take_b = b > a
     if not isinstance(b, tirx.FloatImm):
-        take_b = tirx.Or(take_b, tirx.isnan(b))
+        take_b = tirx.Or(take_b, isnan(b))
     return tirx.Select(take_b, b, a)
+
+
+def isnan(x):
+    """TVM's isnan, which has no bfloat16 form: a bfloat16 is NaN where its float32 value is."""
+    return tirx.isnan(tirx.Cast("float32", x) if str(x.ty.dtype) == "bfloat16" else x)
 
 
 def int_list(value, name: str, minimum: int | None = None) -> tuple[int, ...]:
@@ -131,7 +145,7 @@ def require_rank(spec, ranks, what: str = "input"):
 
 def require_float(*specs):
     for spec in specs:
-        if not spec.dtype.startswith("float"):
+        if not is_float(spec.dtype):
             fail(f"{spec.name!r} must be floating-point, got {spec.dtype}")
 
 

@@ -11,7 +11,7 @@ from tvm import te, topi
 from souffle.ops.common import (ieee_constant, ieee_sub, int_list, is_real, nan_max, require_finite, require_float,
                                 require_same_dtype, shape_of)
 from souffle.ops.registry import export_rule, fail, register_op
-from souffle.tensor import SUPPORTED_DTYPES
+from souffle.tensor import SUPPORTED_DTYPES, is_float
 
 
 def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
@@ -206,7 +206,7 @@ def _full(specs, attrs):
 @register_op("full", infer=_full, n_inputs=0, attrs={"shape": None, "value": 0.0, "dtype": "float32"})
 def full(inputs, shape, value, dtype):
     """A constant tensor, like torch.full."""
-    fill = ieee_constant(value if dtype.startswith("float") else int(value), dtype)
+    fill = ieee_constant(value if is_float(dtype) else int(value), dtype)
     return te.compute(int_list(shape, "shape"), lambda *_: fill, name="T_full", tag=topi.tag.ELEMWISE)
 
 

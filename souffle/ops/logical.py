@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from tvm import te, tirx, topi
 
-from souffle.ops.common import shape_of
+from souffle.ops.common import isnan, shape_of
 from souffle.ops.elementwise import broadcast_shape
 from souffle.ops.registry import export_rule, fail, register_op
+from souffle.tensor import is_float
 
 MASK_DTYPE = "int32"
 
@@ -30,9 +31,9 @@ _COMPARISONS = {
 def _unequal(a, b):
     """a != b that is true where either is NaN, as torch's ne: TVM rewrites not(a == b) to an
     ordered a != b, which is false for NaN."""
-    if not str(a.ty.dtype).startswith("float"):
+    if not is_float(str(a.ty.dtype)):
         return a != b
-    return tirx.Or(a != b, tirx.Or(tirx.isnan(a), tirx.isnan(b)))
+    return tirx.Or(a != b, tirx.Or(isnan(a), isnan(b)))
 
 
 def _read(tensor: te.Tensor, index):

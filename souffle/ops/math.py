@@ -178,7 +178,7 @@ def cast(inputs, dtype):
     return topi.cast(inputs[0], dtype)
 
 
-_ONNX_DTYPES = {"float32": 1, "int32": 6, "int64": 7, "float16": 10}
+_ONNX_DTYPES = {"float32": 1, "int32": 6, "int64": 7, "float16": 10, "bfloat16": 16}
 
 
 @export_rule("cast")

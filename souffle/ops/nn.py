@@ -10,6 +10,7 @@ import tvm
 from tvm import te, topi
 
 from souffle.ops.common import (
+    ieee_constant,
     int_pair,
     is_int,
     nan_max,
@@ -25,6 +26,7 @@ from souffle.ops.common import (
 )
 from souffle.ops.elementwise import broadcast_shape
 from souffle.ops.registry import export_rule, fail, register_op
+from souffle.tensor import NARROW_FLOATS
 
 
 def _reshape(tensor: te.Tensor, shape) -> te.Tensor:
@@ -41,12 +43,12 @@ def _require_eps(attrs):
 
 # -- dense and matmul --------------------------------------------------------------------------
 def _accumulator(operand: te.Tensor) -> str:
-    """GEMM-shaped ops accumulate float16 operands in float32 (``souffle.precision``)."""
-    return "float32" if str(operand.dtype) == "float16" else str(operand.dtype)
+    """GEMM-shaped ops accumulate float16 and bfloat16 operands in float32 (``souffle.precision``)."""
+    return "float32" if str(operand.dtype) in NARROW_FLOATS else str(operand.dtype)
 
 
 def _rounded(result: te.Tensor, operand: te.Tensor) -> te.Tensor:
-    """A float32 accumulation rounded back to its float16 operands' dtype."""
+    """A float32 accumulation rounded back to its narrow operands' dtype."""
     return result if str(result.dtype) == str(operand.dtype) else topi.cast(result, str(operand.dtype))
 
 
@@ -384,7 +386,7 @@ def _onnx_pool_window(e, x: str, attrs) -> tuple[list[int], list[int], list[int]
     return list(kernel), list(stride), list(padding), end, list(dilation)
 
 
-_NAN_MAX = te.comm_reducer(nan_max, lambda dtype: tvm.tirx.const(float("-inf"), dtype), name="nan_max")
+_NAN_MAX = te.comm_reducer(nan_max, lambda dtype: ieee_constant(float("-inf"), dtype), name="nan_max")
 """torch's max reduction: NaN if any element is NaN; it starts from -inf, so a window of -inf gives -inf."""
 
 
@@ -406,7 +408,8 @@ def max_pool2d(inputs, **attrs):
         last_window_end = (out[i] - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1
         end_padding.append(max(0, last_window_end - padding[i] - size))
     if any(padding) or any(end_padding):
-        x = topi.nn.pad(x, (0, 0, *padding), (0, 0, *end_padding), pad_value=float("-inf"), name="pad_temp")
+        x = topi.nn.pad(x, (0, 0, *padding), (0, 0, *end_padding), pad_value=ieee_constant(float("-inf"), str(x.dtype)),
+                        name="pad_temp")
     ry, rx = te.reduce_axis((0, kernel[0]), name="ry"), te.reduce_axis((0, kernel[1]), name="rx")
     (sh, sw), (dh, dw) = stride, dilation
     return te.compute(

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Sequence
 from tvm import topi
 
 from souffle.errors import ExportError, GraphError, UnknownOpError
-from souffle.tensor import TensorSpec
+from souffle.tensor import NARROW_FLOATS, TensorSpec
 
 Shape = tuple[int, ...]
 InferFn = Callable[[Sequence[TensorSpec], Mapping[str, object]], list[tuple[Shape, str]]]
@@ -44,7 +44,7 @@ class OpRule:
     attrs: Mapping[str, object] = field(default_factory=dict)
     doc: str = ""
     export: ExportFn | None = None
-    widen: bool = False  # given float16, computes in float32 and rounds its outputs (``lower_op``)
+    widen: bool = False  # given float16 or bfloat16, computes in float32 and rounds its outputs (``lower_op``)
 
 
 REGISTRY: dict[str, OpRule] = {}
@@ -56,8 +56,9 @@ def register_op(kind: str, *, infer: InferFn, n_inputs: int | tuple[int, int], a
 
     ``attrs`` lists the attributes the op accepts with their defaults; any other
     attribute is refused. ``infer(specs, attrs)`` sees attrs with defaults filled in.
-    ``widen``: an op whose float16 arithmetic would lose the answer (a sum of many terms, exp,
-    a normalization) is lowered in float32 from float16 inputs and its outputs rounded to float16.
+    ``widen``: an op whose float16 or bfloat16 arithmetic would lose the answer (a sum of many
+    terms, exp, a normalization) is lowered in float32 from such inputs and its outputs rounded
+    back to their dtype.
     """
     bounds = (n_inputs, n_inputs) if isinstance(n_inputs, int) else tuple(n_inputs)
 
@@ -140,12 +141,12 @@ def lower_op(kind: str, inputs: Sequence[object], attrs: Mapping[str, object]) -
     """The op's TE tensors for the given TE inputs, always as a list."""
     rule = get_rule(kind)
     inputs = list(inputs)
-    narrow = rule.widen and any(_dtype(t) == "float16" for t in inputs)
+    narrow = next((_dtype(t) for t in inputs if _dtype(t) in NARROW_FLOATS), None) if rule.widen else None
     if narrow:
-        inputs = [topi.cast(t, "float32") if _dtype(t) == "float16" else t for t in inputs]
+        inputs = [topi.cast(t, "float32") if _dtype(t) in NARROW_FLOATS else t for t in inputs]
     out = rule.lower(inputs, **full_attrs(rule, attrs, f"op {kind}"))
     out = list(out) if isinstance(out, (list, tuple)) else [out]
-    return [topi.cast(t, "float16") if narrow and _dtype(t) == "float32" else t for t in out]
+    return [topi.cast(t, narrow) if narrow and _dtype(t) == "float32" else t for t in out]
 
 
 def _dtype(tensor) -> str | None:

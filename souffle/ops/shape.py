@@ -13,6 +13,7 @@ from tvm import te, tirx, topi
 from souffle.ops.common import (ieee_constant, int_list, is_int, is_real, normalize_axes, normalize_axis, prod,
                                 require_same_dtype, shape_of)
 from souffle.ops.registry import export_rule, fail, register_op
+from souffle.tensor import is_float
 
 
 def _reshape_target(shape: tuple[int, ...], target) -> tuple[int, ...]:
@@ -278,7 +279,7 @@ def pad(inputs, before, after, value):
     constant F.pad, its amounts listed per axis from the first)."""
     x = inputs[0]
     low, high, _ = _pad_widths(shape_of(x), before, after)
-    fill = ieee_constant(value if str(x.dtype).startswith("float") else int(value), str(x.dtype))
+    fill = ieee_constant(value if is_float(str(x.dtype)) else int(value), str(x.dtype))
     return topi.nn.pad(x, list(low), list(high), pad_value=fill)
 
 

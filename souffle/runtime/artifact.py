@@ -28,7 +28,7 @@ import numpy as np
 
 from souffle.errors import InputError, SouffleError, TargetError
 from souffle.runtime.cuda import ARCH
-from souffle.tensor import SUPPORTED_DTYPES
+from souffle.tensor import SUPPORTED_DTYPES, numpy_dtype
 
 MANIFEST = "manifest.json"
 SOURCE = "kernel.cu"
@@ -144,7 +144,7 @@ class KernelArtifact:
                 value = evaluate(w["recipe"], model_weights)
             except (ValueError, IndexError) as err:  # numpy refusing to stack, concatenate or index mismatched shapes
                 raise SouffleError(f"weight {w['buffer']!r}: cannot be rebuilt from the given weights: {err}") from None
-            if tuple(value.shape) != tuple(w["shape"]) or str(value.dtype) != w["dtype"]:
+            if tuple(value.shape) != tuple(w["shape"]) or value.dtype != numpy_dtype(w["dtype"]):
                 raise SouffleError(f"weight {w['buffer']!r}: expected {tuple(w['shape'])} {w['dtype']}, "
                                    f"got {value.shape} {value.dtype}")
             arrays[w["buffer"]] = np.ascontiguousarray(value).reshape(-1)
@@ -201,7 +201,7 @@ class Launcher:
             weight_arrays = artifact.weight_arrays(model_weights)
         self.resident = {name: self.device.upload(value) for name, value in weight_arrays.items()}
         for name, (dtype, elements) in artifact.arenas.items():
-            self.resident[name] = self.device.alloc(max(elements, 1) * np.dtype(dtype).itemsize)
+            self.resident[name] = self.device.alloc(max(elements, 1) * numpy_dtype(dtype).itemsize)
 
     @property
     def grid(self) -> int:
@@ -223,7 +223,7 @@ class Launcher:
             by_name[slot.buffer] = self.device.upload(array)
         outputs = []
         for slot in self.artifact.outputs:
-            by_name[slot.buffer] = self.device.alloc(slot.size * np.dtype(slot.dtype).itemsize)
+            by_name[slot.buffer] = self.device.alloc(slot.size * numpy_dtype(slot.dtype).itemsize)
             outputs.append((by_name[slot.buffer], slot))
         if poison:
             for name in (*self.artifact.arenas, *(slot.buffer for slot in self.artifact.outputs)):
@@ -505,10 +505,10 @@ def _launches(check: JsonFields, launches, where: str, kernels: dict, bound: set
 
 def _numeric_dtype(check: JsonFields, name, where: str) -> None:
     try:
-        dtype = np.dtype(name)
+        dtype = numpy_dtype(name)
     except TypeError:
         dtype = None
-    if dtype is None or dtype.kind not in "biuf":
+    if dtype is None or (dtype.kind not in "biuf" and name != "bfloat16"):
         check.fail(where, f"expected a numeric dtype, got {_kind(name)}")
 
 

@@ -86,7 +86,8 @@ def _cache_dir() -> Path:
 def _glue(source: str, kernels: tuple[str, ...], dynamic_shared: int) -> str:
     """An entry ``souffle_entry_<kernel>(void** args)`` per kernel, and the dynamic shared array
     the source declares ``extern``, sized for the largest launch."""
-    lines = ["#include <cstdint>", "#include <cuda_fp16.h>", "#define uint unsigned int", "#define uchar unsigned char"]
+    lines = ["#include <cstdint>", "#include <cuda_fp16.h>", "#include <cuda_bf16.h>", "#define uint unsigned int",
+             "#define uchar unsigned char"]
     for kernel in kernels:
         params = kernel_signature(source, kernel)
         lines.append(f'extern "C" void {kernel}({", ".join(ctype for ctype, _ in params)});')

@@ -8,11 +8,12 @@
 // - store_matrix_sync: lane l writes its share only, the 8 consecutive elements from l * 8 of the
 //   row- (or column-) major tile, so that each element is written once, as on a GPU;
 // - fill_fragment and mma_sync: each lane computes the whole fragment (float32 sums of products
-//   of halves, k in order).
+//   of halves or bfloat16s, k in order; a product of two is exact in float32).
 // There is no implicit __syncwarp: as on a GPU, memory written by some lanes is read by another's
 // load only after a barrier, and the runtime's race checks see every element each lane touches.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 namespace nvcuda {
