@@ -13,7 +13,8 @@ model's seeded initialisation:
     ["take", axis, [i, ...], r]       np.take (a permutation or a selection)
     ["add", [r, ...]]                 element-wise sum
     ["const", dtype, shape, [v, ...]] a constant (small: masks)
-    ["cast", dtype, r]                converted to dtype (float16 weights, rounded to nearest)
+    ["cast", dtype, r]                converted to dtype (float16 and bfloat16 weights, rounded to
+                                      nearest even; bfloat16 as its bits where ml_dtypes is missing)
 """
 
 from __future__ import annotations
