@@ -47,6 +47,7 @@ from gpu_variants import SEPARATOR, VARIANTS, applied
 
 from souffle import models
 from souffle.errors import TargetError
+from souffle.precision import DEFAULT_PRECISION, PRECISIONS
 from souffle.runtime.artifact import Launcher
 from souffle.runtime.check import Check
 
@@ -315,7 +316,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(models.MODELS))
     parser.add_argument("--configs", nargs="+", default=["tiny", "paper"])
     parser.add_argument("--levels", nargs="+", type=int, default=None, help="opt levels to export (default: O4)")
-    parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=("fp32", "fp16", "bf16"),
+    parser.add_argument("--precisions", nargs="+", default=[DEFAULT_PRECISION], choices=sorted(PRECISIONS),
                         help="precisions to export")
     parser.add_argument("--variant", choices=sorted(VARIANTS), help="export: compile with this variant of the "
                         "compiler (benchmarks/gpu_variants.py), bundles named BASE+VARIANT")

@@ -38,9 +38,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
+from gpu_report import BUNDLE
 from gpu_variants import SEPARATOR
 
 from souffle import models
+from souffle.precision import DEFAULT_PRECISION, PRECISIONS
 from souffle.runtime.check import Check
 
 MODES = ("eager", "cuda-graph", "reduce-overhead", "compile", "max-autotune")  # cheapest to set up first
@@ -52,12 +54,11 @@ def _module(name: str, config: str, precision: str):
     module = models.get(name)
     cfg = models.config(name, config)
     net = module.torch_module(cfg, module.init_weights(cfg, 0)).cuda().eval()
-    narrow = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    narrow = None if precision == DEFAULT_PRECISION else getattr(torch, PRECISIONS[precision])
 
     def forward(**inputs):
         # autocast's weight cache off: a CUDA graph must not capture casts cached outside it
-        with torch.no_grad(), torch.autocast("cuda", dtype=narrow or torch.float16, enabled=narrow is not None,
-                                             cache_enabled=False):
+        with torch.no_grad(), torch.autocast("cuda", dtype=narrow, enabled=narrow is not None, cache_enabled=False):
             outputs = net(**inputs)
         return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
@@ -141,7 +142,7 @@ class Bundle:
         self.check = Check.load(path)
         artifact = self.check.artifact
         self.model, self.config = artifact.model, artifact.config
-        self.precision = next((p for p in ("fp16", "bf16") if path.name.endswith(f"_{p}")), "fp32")
+        self.precision = BUNDLE.match(path.name)["precision"] or "fp32"
         self.forward = _module(self.model, self.config, self.precision)
         self.inputs = {slot.name: torch.from_numpy(array.reshape(slot.shape)).cuda()
                        for slot, array in zip(artifact.inputs, self.check.inputs)}

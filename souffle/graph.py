@@ -18,7 +18,7 @@ import numpy as np
 
 from souffle.errors import GraphError, WeightError
 # defined apart so that souffle.ops need not import the graph
-from souffle.tensor import TensorSpec, dimension, is_float, ml_dtypes
+from souffle.tensor import TensorSpec, dimension, is_float, largest_finite
 
 
 def _infer_outputs(kind: str, in_specs: Sequence[TensorSpec], attrs: Mapping[str, object], name: str):
@@ -295,8 +295,8 @@ def _lost_values(array: np.ndarray, source: str, converted: np.ndarray) -> tuple
     inexact = f"cannot be held exactly by {dtype}"
     if is_float(dtype) and is_float(array.dtype):
         if source in ("float32", "float64"):
-            largest = float(ml_dtypes.finfo(dtype).max) if ml_dtypes else float(np.finfo(dtype).max)
-            return np.isfinite(array) & ~np.isfinite(converted), f"overflow {dtype}, whose largest is {largest:g}"
+            return np.isfinite(array) & ~np.isfinite(converted), \
+                f"overflow {dtype}, whose largest is {largest_finite(dtype):g}"
         back = converted.astype(array.dtype)
         return (back != array) & ~(np.isnan(array) & np.isnan(back)), inexact
     if is_float(dtype):  # from integers: kept if the float is in the integers' range and converts back to them

@@ -24,7 +24,7 @@ import numpy as np
 from souffle import recipe
 from souffle.errors import SouffleError
 from souffle.graph import Graph, Op, Scan
-from souffle.tensor import TensorSpec, ml_dtypes
+from souffle.tensor import TensorSpec, largest_finite, ml_dtypes
 
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_PRECISION = "fp32"
@@ -114,9 +114,8 @@ def _converted_weights(graph: Graph, dtype: str) -> dict[str, np.ndarray]:
             overflow = np.isfinite(array) & ~np.isfinite(narrow)
             if overflow.any():
                 first = array.reshape(-1)[np.flatnonzero(overflow)[0]].item()
-                largest = float(ml_dtypes.finfo(dtype).max)
                 raise SouffleError(f"weight {name!r} of {graph.name!r}: {np.count_nonzero(overflow)} values overflow "
-                                   f"{dtype}, whose largest is {largest:g} (the first: {first!r}); "
+                                   f"{dtype}, whose largest is {largest_finite(dtype):g} (the first: {first!r}); "
                                    f"compile it at precision fp32")
             converted[name] = narrow
     return converted

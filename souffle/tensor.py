@@ -45,6 +45,11 @@ def converted(array, name: str) -> np.ndarray:
     return np.where(np.isnan(array), quiet_nan, rounded)
 
 
+def largest_finite(dtype) -> float:
+    """The largest finite value of the float ``dtype`` (numpy's finfo, ml_dtypes' for bfloat16)."""
+    return float((ml_dtypes or np).finfo(dtype).max)
+
+
 def is_float(dtype) -> bool:
     """Whether ``dtype`` (a name, or TVM's or numpy's dtype) is floating-point: bfloat16's name
     does not start with "float"."""

@@ -23,10 +23,11 @@ from souffle import models, recipe, tensor
 from souffle.errors import SouffleError
 from souffle.graph import Graph, GraphBuilder, Scan
 from souffle.ops import lower_op
-from souffle.precision import with_precision
+from souffle.precision import PRECISIONS, with_precision
 from souffle.runtime.emulated import EmulatedDevice, EmulationError
 
 MODELS = ["bert", "lstm", "resnext", "mmoe", "efficientnet", "swin"]
+NARROW = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}  # precision -> the numpy type its weights become
 
 
 def _mlp(weight: np.ndarray | None = None) -> Graph:
@@ -38,37 +39,31 @@ def _mlp(weight: np.ndarray | None = None) -> Graph:
     return b.build(y, b.op("cast", ids, dtype="float32"))
 
 
-def test_fp16_converts_weights_once_and_keeps_the_model_edges_float32():
+@pytest.mark.parametrize("precision", NARROW)
+def test_narrow_precisions_convert_weights_once_and_keep_the_model_edges_float32(precision):
     graph = _mlp()
-    converted, notes = with_precision(graph, "fp16")
-    assert converted.params["w"].dtype == "float16"
-    assert converted.weights["w"].dtype == np.float16
-    np.testing.assert_array_equal(converted.weights["w"], graph.weights["w"].astype(np.float16))
+    converted, notes = with_precision(graph, precision)
+    dtype = PRECISIONS[precision]
+    assert converted.params["w"].dtype == dtype
+    assert converted.weights["w"].dtype == NARROW[precision]
+    np.testing.assert_array_equal(converted.weights["w"], graph.weights["w"].astype(NARROW[precision]))
     assert [s.dtype for s in converted.inputs] == ["float32", "int64"]  # what callers pass is unchanged
     assert [(n, converted.tensors[n].dtype) for n in converted.outputs] == \
         [(n, graph.tensors[n].dtype) for n in graph.outputs]
     entry, *_ = converted.ops
-    assert (entry.kind, entry.inputs, entry.attrs) == ("cast", ("x",), {"dtype": "float16"})
+    assert (entry.kind, entry.inputs, entry.attrs) == ("cast", ("x",), {"dtype": dtype})
     exits = converted.ops[-2:]
     assert [(op.kind, op.inputs, op.outputs, op.attrs) for op in exits] == \
-        [("cast", (f"{n}.fp16",), (n,), {"dtype": "float32"}) for n in graph.outputs]
+        [("cast", (f"{n}.{precision}",), (n,), {"dtype": "float32"}) for n in graph.outputs]
     own_cast = next(op for op in converted.ops if op.inputs == ("ids",))
-    assert own_cast.attrs == {"dtype": "float16"}  # the model's own cast to float computes in float16
-    assert converted.recipe("w") == recipe.cast(["model", "w"], "float16")
-    assert recipe.evaluate(converted.recipe("w"), graph.weights).dtype == np.float16
-    assert notes[0] == "1 float32 weights converted to float16 at compile time (rounded to nearest)"
+    assert own_cast.attrs == {"dtype": dtype}  # the model's own cast to float computes in the narrow type
+    assert converted.recipe("w") == recipe.cast(["model", "w"], dtype)
+    assert recipe.evaluate(converted.recipe("w"), graph.weights).dtype == NARROW[precision]
+    assert notes[0] == f"1 float32 weights converted to {dtype} at compile time (rounded to nearest)"
 
 
-def test_bf16_converts_weights_to_bfloat16_rounded_to_nearest():
-    graph = _mlp()
-    converted, notes = with_precision(graph, "bf16")
-    assert converted.params["w"].dtype == "bfloat16"
-    assert converted.weights["w"].dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(converted.weights["w"], graph.weights["w"].astype(ml_dtypes.bfloat16))
-    assert [s.dtype for s in converted.inputs] == ["float32", "int64"]
-    assert converted.recipe("w") == recipe.cast(["model", "w"], "bfloat16")
-    assert notes[0] == "1 float32 weights converted to bfloat16 at compile time (rounded to nearest)"
-    # float32's range: a weight that overflows float16 is a bfloat16 (to 8 bits of significand)
+def test_bf16_has_the_range_of_float32():
+    """A weight that overflows float16 (see below) is a bfloat16, to 8 bits of significand."""
     large = with_precision(_mlp(np.full((16, 8), 7e4, np.float32)), "bf16")[0]
     assert float(large.weights["w"].reshape(-1)[0]) == 70144.0  # 65536 + 9 * 512
 

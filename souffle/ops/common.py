@@ -52,10 +52,11 @@ def ieee_constant(value, dtype: str):
     into its consumer. A float zero is therefore written as fabs(0.0), a call that TVM keeps and
     that LLVM and nvcc fold to the constant without the unsafe rewrite (they assume IEEE).
 
-    A bfloat16 zero or infinity is the float32 one, written so, converted: TVM's bfloat16
-    legalization widens arithmetic to float32 but not a call's vector of bfloat16 (it failed on a
-    vectorized fabs), and its CUDA code generator prints a bfloat16 infinity as
-    ``__float2bfloat16_rn(-inff)``, which nvcc refuses, and would fold a converted literal back.
+    A bfloat16 infinity is the float32 one, written so, converted: TVM's CUDA code generator
+    prints a bfloat16 infinity as ``__float2bfloat16_rn(-inff)``, which nvcc refuses, and would
+    fold a converted literal back. A bfloat16 zero takes the same form (bfloat16's own fabs works
+    too; a vector of either with no load beside it fails TVM's CPU legalization, which
+    ``codegen.schedule_cpu._vectorizable`` avoids).
     """
     narrow_infinity = dtype == "bfloat16" and is_real(value) and math.isinf(value)
     if not is_float(dtype) or (value != 0 and not narrow_infinity):
