@@ -76,8 +76,8 @@ LLVM = Pipeline("llvm", GRAPH, (
 
 # The persistent kernel's passes up to its TE program, then after its stages are built.
 TRANSFORMS = (
-    PRECISION,
     Pass("wavefront", lambda graph, _: Outcome(*wavefront(graph)), GRAPH, from_level=1, section="transform"),
+    PRECISION,
     Pass("horizontal", lambda graph, _: Outcome(*horizontal(graph)), GRAPH, from_level=1, section="transform"),
     Pass("lower", lambda graph, _: lower_graph(graph), TE),
     Pass("vertical", lambda program, _: inline_one_relies_on_one(program), TE, from_level=2, section="transform"),

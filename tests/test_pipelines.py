@@ -30,7 +30,7 @@ def _mlp():
 def test_every_target_has_one_declared_pipeline():
     assert list(PIPELINES) == ["llvm", "cuda", "llvm-persistent", "cuda-emulated"]
     assert LLVM.names == ["precision", "hoist_scan_projections", "pack_weights", "lower", "stitch", "build"]
-    persistent = ["precision", "wavefront", "horizontal", "lower", "vertical", "fuse_epilogues", "stage", "kernel_per_stage",
+    persistent = ["wavefront", "precision", "horizontal", "lower", "vertical", "fuse_epilogues", "stage", "kernel_per_stage",
                   "global_sync", "place_barriers", "partition", "keep_weights_on_chip", "plan_arena"]
     assert CUDA.names == persistent + ["kernel_plan", "cuda_source", "validate_threads", "nvcc", "co_residency"]
     assert LLVM_PERSISTENT.names == persistent + ["staged_function", "build"]
