@@ -4,6 +4,13 @@ A stage inside a loop (the LSTM's gate product, run once per step) reads the sam
 every iteration. Where each of its tiles reads its own contiguous slice of the weight, every
 block loads its tiles' slices into its shared memory once, before the loop, and the stage reads
 them from there: across the loop the weight is read from DRAM once instead of once per trip.
+
+Only while it costs no residency: the weights take at most the shared memory that leaves the
+kernel as many blocks per SM as its registers and threads allow. On chip at the price of blocks
+was slower on both GPUs that ran it: paper LSTM fp32 took 1.51 ms on an H100 with its weights in
+shared memory at 1 block/SM against 1.00 ms with them in global memory at 6 blocks/SM
+(benchmarks/results/gpu_h100.md), and 1.49 against 1.20 ms on an H200 (gpu_h200.md); tiny LSTM,
+whose weights fit without losing a block, was faster on chip (33 against 37 us on the H100).
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 import islpy as isl
 import numpy as np
 
+from analysis.device import SHARED_RESERVED_PER_BLOCK, co_resident_grid
+from codegen.partition import stage_registers
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, copy_items, flat_index, loops_in, stage_tiles, stages_in
 from souffle.passes import Outcome
 
@@ -41,11 +50,12 @@ def keep_weights_on_chip(staged: StagedProgram, device) -> Outcome:
     """``staged`` with the weight slices its loops' stages read loaded into each block's shared
     memory before the loop, where every tile reads its own contiguous slice and the device's
     shared memory per block holds them at the smallest grid the kernel may run with (one block
-    per SM, or one per tile when there are fewer tiles); one note per weight, kept or not.
-    Loops that launch kernels from the host are left alone."""
+    per SM, or one per tile when there are fewer tiles) without lowering the kernel's blocks per
+    SM; one note per weight, kept or not. Loops that launch kernels from the host are left alone."""
     items = copy_items(staged.items)
     placing = _Placement(staged, device)
     for kernel in _kernels(items):
+        placing.residency(stages_in(kernel), staged.threads)
         min_grid = min(device.sms, max(s.schedule.n_tiles for s in stages_in(kernel)))
         for loop in [item for item in loops_in(kernel) if not item.on_host]:
             placing.loop(loop, min_grid)
@@ -68,9 +78,24 @@ class _Placement:
     def __init__(self, staged: StagedProgram, device):
         self.weights = set(staged.weight_buffers)
         self.device = device
-        self.budget = device.smem_per_block - max(s.schedule.shared_bytes for s in staged.stages())
+        self.stage_shared = max(s.schedule.shared_bytes for s in staged.stages())
+        self.budget = device.smem_per_block - self.stage_shared
+        self.limit = f"shared memory left per block on {device.name}"
         self.used: dict[str, int] = {}  # dtype -> elements of on-chip memory taken
         self.notes: list[str] = []
+
+    def residency(self, stages: list[Stage], threads: int):
+        """Cap the budget at the shared memory that keeps the blocks per SM that ``stages``
+        (one kernel's) get from their registers (``stage_registers``, a floor) and threads."""
+        registers = max(stage_registers(s) for s in stages)
+        blocks = co_resident_grid(registers, self.stage_shared, self.device, threads).blocks_per_sm
+        keeps = self.device.smem_per_sm // blocks - SHARED_RESERVED_PER_BLOCK - self.stage_shared - self._taken()
+        if keeps < self.budget:
+            self.budget = max(keeps, 0)
+            self.limit = f"shared memory per block that keeps {blocks} blocks/SM on {self.device.name}"
+
+    def _taken(self) -> int:
+        return self.device.smem_per_block - self.stage_shared - self.budget
 
     def loop(self, loop: Loop, min_grid: int):
         for stage in stages_in(loop.items):
@@ -87,8 +112,8 @@ class _Placement:
                 if load.bytes > self.budget:
                     self.notes.append(
                         f"{where} stays in global memory: {slots} tiles per block x "
-                        f"{per_tile * np.dtype(ref.spec.dtype).itemsize} B = {load.bytes} B > {self.budget} B of "
-                        f"shared memory left per block on {self.device.name}")
+                        f"{per_tile * np.dtype(ref.spec.dtype).itemsize} B = {load.bytes} B > {self.budget} B, the "
+                        f"{self.limit}")
                     continue
                 self.budget -= load.bytes
                 self.used[load.dtype] = load.offset + load.elements
