@@ -216,7 +216,7 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
     rows = []
 
     def save():  # after every row: a run stopped at its time limit keeps what it measured
-        common.write("gpu_kernels", {"results": rows}, kernels_table(rows), results)
+        common.write("gpu_kernels", {"command": common.command(), "results": rows}, kernels_table(rows), results)
 
     lock = Path(tempfile.mkdtemp()) / "gpu.lock"
 

@@ -220,7 +220,8 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             # written after every row: a run stopped at its time limit keeps what it measured
-            common.write("gpu_torch", {"results": rows}, table(rows, souffle), args.results)
+            common.write("gpu_torch", {"command": common.command(), "results": rows}, table(rows, souffle),
+                         args.results)
     common.publish("gpu_torch", rows, table(rows, souffle), ("torch", "numpy"),
                    f"CUDA events, {args.warmup} warm-up runs, median of {args.repeat}", args.results)
 

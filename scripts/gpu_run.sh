@@ -16,7 +16,13 @@
 # barriers, timed) and ncu's DRAM bytes and launches; PyTorch eager, CUDA graphs, torch.compile
 # (reduce-overhead, default, max-autotune) on the same weights and inputs.
 # OUT gets device.txt, pytest_gpu.txt, gpu_kernels.{json,md}, gpu_torch.{json,md} and log.txt.
-set -u -o pipefail
+#
+# What a run that follows an earlier one should measure first can be set in the environment (the
+# defaults in brackets): FIRST, the bundles checked and timed first ['*+*' '*_paper_O4*'
+# '*_paper_*' '*_tiny_O[34]*'], SANITIZE ['*_tiny_O[34]*'], NCU and TIMELINE ['*_paper_O4*'],
+# TORCH_BUNDLES ['*_O4*'] and TORCH_MODES [eager cuda-graph reduce-overhead compile max-autotune],
+# each a space-separated list taken in its order.
+set -u -f -o pipefail  # -f: the bundle globs below reach the scripts unexpanded
 bundles=$1 out=$2 seconds=${3:-480}
 python=${PYTHON:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 SOUFFLE_COMMIT=$(cat "$bundles/COMMIT" 2>/dev/null)
@@ -38,10 +44,11 @@ echo "== Souffle's kernels ($(left) s left)"
 # left, so that the timelines, sanitizers and ncu get their share
 timeout $(( $(left) * 62 / 100 )) $python benchmarks/gpu_kernels.py run "$bundles" --results "$out" \
     --timeout 90 --jobs 4 --budget $(( $(left) * 58 / 100 )) --check-budget $(( $(left) * 3 / 10 )) \
-    --repeat 50 --warmup 10 --first '*+*' '*_paper_O4*' '*_paper_*' '*_tiny_O[34]*' \
-    --sanitize '*_tiny_O[34]*' --ncu '*_paper_O4*' --timeline '*_paper_O4*'
+    --repeat 50 --warmup 10 --first ${FIRST:-*+* *_paper_O4* *_paper_* *_tiny_O[34]*} \
+    --sanitize "${SANITIZE:-*_tiny_O[34]*}" --ncu "${NCU:-*_paper_O4*}" --timeline "${TIMELINE:-*_paper_O4*}"
 
 echo "== PyTorch ($(left) s left)"
 timeout $(( $(left) - 10 )) $python benchmarks/gpu_torch.py "$bundles" --souffle "$out/gpu_kernels.json" \
-    --results "$out" --budget $(( $(left) - 60 )) --repeat 50 --warmup 10
+    --results "$out" --budget $(( $(left) - 60 )) --repeat 50 --warmup 10 \
+    --bundles ${TORCH_BUNDLES:-*_O4*} --modes ${TORCH_MODES:-eager cuda-graph reduce-overhead compile max-autotune}
 echo "== done in $((SECONDS - start)) s"
