@@ -45,6 +45,15 @@ def _two_blocks_per_sm() -> list:
     return [mock.patch.object(pipelines, "cuda_source", bounded)]
 
 
+def _without_split_k() -> list:
+    from codegen import pipelines
+
+    def split_nothing(graph, device):
+        return graph, ["variant no-split-k: every GEMM keeps its whole K in one stage"]
+
+    return [mock.patch.object(pipelines, "split_k", split_nothing)]
+
+
 def _occupancy_model() -> list:
     from analysis import latency
 
@@ -60,6 +69,11 @@ VARIANTS = {
         "__launch_bounds__(threads, 2): ptxas holds the kernel to 128 registers so that 2 blocks fit per SM "
         "(paper BERT fp16: 255 registers, 1 block/SM; capped, 172 B spilled): occupancy or spills?",
         _two_blocks_per_sm),
+    "no-split-k": Variant(
+        "O4 without split_k: a GEMM whose tiles leave SMs idle in one stage, not partial GEMMs over slices of "
+        "K and their sum (paper BERT's FFN2, 72 tiles: 48 us a layer on the H100 where FFN1's 288 took 23); "
+        "does the split pay for its barrier and partial sums?",
+        _without_split_k),
     "occupancy": Variant(
         "the latency model with WARPS_TO_SATURATE = 32 (analysis.latency), which orders the H200's opt "
         "levels better, choosing the schedules: more, smaller tiles (with the 128 x 32 matmul tiles of the H200 "

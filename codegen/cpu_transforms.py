@@ -81,7 +81,9 @@ def _packed_op(graph: Graph, op: Op, exports: dict[str, int]) -> Op:
     if len(spec.shape) != rank or block is None:
         return op
     exports[weight] = block
-    return Op(kind, (op.inputs[0], packed_name(weight, block)) + op.inputs[2:], op.outputs, dict(op.attrs))
+    # split_k is a GPU choice (codegen.split_k) of the same product; packed rows are the CPU's
+    attrs = {key: value for key, value in op.attrs.items() if key != "split_k"}
+    return Op(kind, (op.inputs[0], packed_name(weight, block)) + op.inputs[2:], op.outputs, attrs)
 
 
 def _rewrite_scan(scan: Scan, constants: set[str], exports: dict[str, int]) -> Scan:

@@ -366,10 +366,50 @@ class CudaKernels:
                          for name, occupancy in self.occupancy.items())
 
 
-def cuda_compile(source: CudaSource, arch: str) -> CudaBinary:
-    """nvcc's cubin of ``source`` for ``arch``, and each kernel's registers and shared memory."""
-    cubin, resources = compile_cubin(source.text, arch, tuple(source.plan.kernel_names))
-    return CudaBinary(source, cubin, resources)
+def cuda_compile(source: CudaSource, device: DeviceModel) -> Outcome:
+    """nvcc's cubin of ``source`` for ``device``'s arch, and each kernel's registers and shared
+    memory.
+
+    ptxas chooses a kernel's registers itself, and for a large persistent kernel it may take
+    fewer than the kernel needs, to fit more blocks per SM, and spill: paper BERT fp32 with its
+    FFN2 split over K got 80 registers (3 blocks/SM) and spilled 32 B, where
+    ``__launch_bounds__(256, 2)`` gives it 128 and none. A kernel that spills is built again,
+    bounded to one block per SM fewer each time, until it does not spill or one block is left;
+    the first bound without spills is kept, and a note says so. Otherwise ptxas' choice stays."""
+    names = tuple(source.plan.kernel_names)
+    dynamic = {f"{launch.kernel}_kernel": launch.dynamic_shared for launch in source.plan.kernel_launches()}
+    text, notes = source.text, []
+    cubin, resources = compile_cubin(text, device.arch, names)
+    for name in names:
+        used = resources[name]
+        blocks = _blocks_per_sm(used, dynamic.get(name, 0), device, source.plan.staged.threads)
+        for bound in range(blocks - 1, 0, -1) if used.spill_bytes else ():
+            bounded = _launch_bounds(text, name, source.plan.staged.threads, bound)
+            bounded_cubin, bounded_resources = compile_cubin(bounded, device.arch, names)
+            if not bounded_resources[name].spill_bytes:
+                notes.append(f"{name}: ptxas spilled {used.spill_bytes} B at {used.registers} registers "
+                             f"({blocks} blocks/SM); bounded to {bound} blocks/SM: "
+                             f"{bounded_resources[name].registers} registers, 0 B spilled")
+                text, cubin, resources = bounded, bounded_cubin, bounded_resources
+                break
+    return Outcome(CudaBinary(CudaSource(source.plan, text, source.device), cubin, resources), notes)
+
+
+def _blocks_per_sm(used: KernelResources, dynamic_shared: int, device: DeviceModel, threads: int) -> int:
+    try:
+        return co_resident_grid(used.registers, used.shared_bytes + dynamic_shared, device, threads).blocks_per_sm
+    except TargetError:
+        return 0  # check_co_residency refuses it, with the reason
+
+
+def _launch_bounds(text: str, kernel: str, threads: int, blocks: int) -> str:
+    """``text`` with ``kernel``'s ``__launch_bounds__`` (declaration and definition) asking
+    ptxas for ``blocks`` co-resident blocks of ``threads`` threads."""
+    pattern = re.compile(rf"__launch_bounds__\({threads}(?:,\s*\d+)?\)(\s+{re.escape(kernel)}\()")
+    bounded, count = pattern.subn(rf"__launch_bounds__({threads}, {blocks})\1", text)
+    if not count:
+        raise TargetError(f"kernel {kernel}: no __launch_bounds__({threads}) in its source to bound")
+    return bounded
 
 
 def build_emulated(kernels: CudaKernels) -> Outcome:

@@ -8,7 +8,8 @@ times every pass, collects what each did, and dumps or prints the IR after any o
   to the one below: O0 one kernel per TE; O1 + horizontal fusion and the LSTM wavefront; O2 +
   vertical inlining; O3 + global sync (reductions fused with their epilogues, one kernel with a
   grid barrier between stages, split only where the device forces it); O4 + post-optimizations
-  (barriers only where data crosses blocks, weights kept on chip across loops).
+  (barriers only where data crosses blocks, weights kept on chip across loops, GEMMs too narrow
+  for the grid split over K).
 - ``llvm-persistent``: the persistent kernel's very stages, tiles, barriers and scratch layout
   run on the CPU, block after block, to check that program anywhere.
 - ``cuda-emulated``: the ``cuda`` pipeline, then the very CUDA source nvcc gets built with the
@@ -38,6 +39,7 @@ from codegen.stage import stage_program
 from codegen.stitch import stitch
 from codegen.sync import global_sync, kernel_per_stage
 from codegen.vertical import inline_one_relies_on_one
+from codegen.split_k import split_k
 from codegen.wavefront import wavefront
 from souffle.lower import lower_graph
 from souffle.passes import IRKind, Outcome, Pass, Pipeline
@@ -79,6 +81,7 @@ TRANSFORMS = (
     Pass("wavefront", lambda graph, _: Outcome(*wavefront(graph)), GRAPH, from_level=1, section="transform"),
     PRECISION,
     Pass("horizontal", lambda graph, _: Outcome(*horizontal(graph)), GRAPH, from_level=1, section="transform"),
+    Pass("split_k", lambda graph, o: Outcome(*split_k(graph, o.device)), GRAPH, from_level=4, section="transform"),
     Pass("lower", lambda graph, _: lower_graph(graph), TE),
     Pass("vertical", lambda program, _: inline_one_relies_on_one(program), TE, from_level=2, section="transform"),
 )
@@ -126,7 +129,7 @@ CUDA = Pipeline("cuda", GRAPH, (
     Pass("kernel_plan", lambda staged, _: kernel_plan(staged), TIR),
     Pass("cuda_source", lambda plan, o: _source(plan, o.device.arch), CUDA_SOURCE),
     Pass("validate_threads", validate_threads, CUDA_SOURCE),
-    Pass("nvcc", lambda source, o: cuda_compile(source, o.device.arch), PTXAS),
+    Pass("nvcc", lambda source, o: cuda_compile(source, o.device), PTXAS, section="ptxas"),
     Pass("co_residency", lambda binary, o: check_co_residency(binary, o.device), KERNELS),
 ), "h200", OPT_LEVELS, DEFAULT_OPT_LEVEL, THREADS)
 

@@ -145,6 +145,7 @@ class CudaModel(CompiledModel):
         report.extra["cuda"] = (f"{functions}, {r.arch}: {r.registers} registers/thread, "
                                 f"{r.shared_bytes} B static + {dynamic} B dynamic shared memory, "
                                 f"{r.spill_bytes} B spilled")
+        report.extra.update({f"ptxas {k + 1}": note for k, note in enumerate(self.passes.notes("ptxas"))})
         report.extra["co-residency"] = str(self.occupancy)
         report.extra.update(self.latency.summary())
         return report

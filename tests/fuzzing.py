@@ -788,7 +788,7 @@ REFERENCE: dict[str, Callable] = {
     "scale": lambda x, factor: x * factor,
     "full": lambda shape, value, dtype: torch.full(_ints(shape), value,
                                                    dtype=torch.float64 if _is_float(dtype) else torch.int64),
-    "dense": lambda x, w, b=None: F.linear(x, w, b),
+    "dense": lambda x, w, b=None, split_k=1: F.linear(x, w, b),  # split_k: the same product
     "matmul": lambda a, b, transpose_b: torch.matmul(a, b.transpose(-1, -2) if transpose_b else b),
     "batch_matmul": lambda a, b, transpose_a, transpose_b: torch.bmm(
         a.transpose(1, 2) if transpose_a else a, b.transpose(1, 2) if transpose_b else b),

@@ -3,6 +3,7 @@ co-resident on the A100 and H200 device models; the grid-size rules; behaviour w
 the TVM-free kernel artifact. Running on a GPU is tests/test_gpu.py."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -281,3 +282,31 @@ def test_a_weight_named_from_a_digit_builds():
     out = b.op("mul", b.input("x", (4, 8)), b.param("0.scale", np.ones((4, 8), "float32")))
     model = souffle.compile(b.build(out), target="cuda")
     assert model.kernel_count == 1 and "_0_scale" in model.source
+
+
+def test_a_kernel_ptxas_spills_is_bounded_to_fewer_blocks_per_sm_until_it_does_not(monkeypatch):
+    """ptxas' own register choice for a large kernel may spill (paper BERT fp32: 80 registers,
+    32 B); cuda_compile asks for one block per SM fewer until the spill is gone. Here a stand-in
+    for nvcc spills unless the kernel is bounded to 1 block per SM."""
+    from codegen import cuda
+    from souffle.runtime.cuda import KernelResources
+
+    source = run_passes(models.build("mmoe", "tiny"), "cuda", stop="cuda_source", opt_level=4).ir
+    (kernel,) = source.plan.kernel_names
+    builds = []
+
+    def fake_nvcc(text, arch, names):
+        builds.append(re.search(r"__launch_bounds__\(([^)]*)\)\s+" + kernel, text)[1])
+        spill = 0 if builds[-1] == "256, 1" else 32
+        return b"", {kernel: KernelResources(arch, 80, 0, spill, spill, 1)}
+
+    monkeypatch.setattr(cuda, "compile_cubin", fake_nvcc)
+    outcome = cuda.cuda_compile(source, get_device("h200"))
+    assert builds == ["256", "256, 2", "256, 1"]  # 80 registers: 3 blocks/SM, then 2, then 1
+    assert f"__launch_bounds__(256, 1) {kernel}(" in outcome.ir.source.text
+    assert outcome.notes == [f"{kernel}: ptxas spilled 32 B at 80 registers (3 blocks/SM); bounded to 1 blocks/SM: "
+                             "80 registers, 0 B spilled"]
+    builds.clear()
+    monkeypatch.setattr(cuda, "compile_cubin", lambda text, arch, names: (
+        builds.append(1) or b"", {kernel: KernelResources(arch, 80, 0, 0, 0, 1)}))
+    assert cuda.cuda_compile(source, get_device("h200")).notes == [] and builds == [1]  # no spill: one build

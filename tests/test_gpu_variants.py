@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import gpu_kernels  # noqa: E402
 import gpu_variants  # noqa: E402
+from test_split_k import _narrow_gemm  # noqa: E402
 
 
 def _on_chip_loads(staged) -> int:
@@ -39,6 +40,19 @@ def test_two_blocks_bounds_the_kernel_for_two_blocks_per_sm():
     assert "__launch_bounds__(256)" in plain and "__launch_bounds__(256, 2)" not in plain
     assert bounded == plain.replace("__launch_bounds__(256)", "__launch_bounds__(256, 2)")
     assert kernel_signature(bounded) == kernel_signature(plain)
+
+
+def test_no_split_k_keeps_every_gemm_whole_and_only_while_applied():
+    graph = _narrow_gemm()[0]
+
+    def parts(staged) -> int:
+        return sum("T_matmul_NT_part" in stage.name for stage in staged.stages())
+
+    assert parts(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == 1
+    with gpu_variants.applied("no-split-k"):
+        run = run_passes(graph, "cuda", stop="plan_arena", opt_level=4)
+        assert parts(run.ir) == 0 and "variant no-split-k" in " ".join(run.notes("transform"))
+    assert parts(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == 1
 
 
 def test_occupancy_turns_the_latency_models_occupancy_term_on_for_the_compile():

@@ -6,6 +6,9 @@ graph and its torch reference compute the same numbers.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import tvm
 from tvm import te, topi
 
@@ -60,17 +63,43 @@ def _dense(specs, attrs):
     if len(specs) == 3 and specs[2].shape != (w.shape[0],):
         fail(f"bias must have shape [{w.shape[0]}], got {list(specs[2].shape)}")
     require_same_dtype(specs)
+    parts = attrs["split_k"]
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or w.shape[1] % parts:
+        fail(f"split_k must be a positive integer dividing in_features {w.shape[1]}, got {parts!r}")
     return [(x.shape[:-1] + (w.shape[0],), x.dtype)]
 
 
-@register_op("dense", infer=_dense, n_inputs=(2, 3))
-def dense(inputs):
-    """y = x @ W.T (+ b), W laid out (out_features, in_features) as torch.nn.Linear."""
+@register_op("dense", infer=_dense, n_inputs=(2, 3), attrs={"split_k": 1})
+def dense(inputs, split_k):
+    """y = x @ W.T (+ b), W laid out (out_features, in_features) as torch.nn.Linear.
+
+    ``split_k`` > 1 computes the product as that many partial products over equal slices of
+    in_features, in float32 where the operands are narrower, then their sum (with the bias):
+    more independent tiles for a GEMM whose output alone would leave SMs idle
+    (``codegen.split_k``). The same value up to float32 summation order."""
     x, w = inputs[0], inputs[1]
     lead = shape_of(x)[:-1]
-    y = topi.nn.dense(_reshape(x, (prod(lead), x.shape[-1])), w, inputs[2] if len(inputs) == 3 else None,
-                      out_dtype=_accumulator(x))
+    rows, bias = _reshape(x, (prod(lead), x.shape[-1])), inputs[2] if len(inputs) == 3 else None
+    if split_k == 1:
+        y = topi.nn.dense(rows, w, bias, out_dtype=_accumulator(x))
+    else:
+        y = _split_k_dense(rows, w, bias, split_k, _accumulator(x))
     return _reshape(_rounded(y, x), lead + (int(w.shape[0]),))
+
+
+def _split_k_dense(x: te.Tensor, w: te.Tensor, bias: te.Tensor | None, parts: int, accumulator: str) -> te.Tensor:
+    """x @ W.T as ``parts`` partial GEMMs ``[parts, M, N]`` over consecutive slices of K, then
+    their sum over the parts (plus the bias): two TEs, the first GEMM-shaped with a batch axis."""
+    (m, k), n = shape_of(x), int(w.shape[0])
+    chunk = k // parts
+    r = te.reduce_axis((0, chunk), name="k")
+    partial = te.compute(
+        (parts, m, n),
+        lambda p, i, j: te.sum(x[i, p * chunk + r].astype(accumulator) * w[j, p * chunk + r].astype(accumulator), axis=r),
+        name="T_matmul_NT_part", tag="dense")
+    total = te.compute((m, n), lambda i, j: functools.reduce(operator.add, (partial[p, i, j] for p in range(parts))),
+                       name="T_matmul_NT_sum")
+    return total if bias is None else topi.add(total, bias.astype(accumulator))
 
 
 @export_rule("dense")

@@ -1,0 +1,87 @@
+"""The ``split_k`` pass (O4): a GEMM too narrow to fill the GPU becomes partial GEMMs, then a sum.
+
+A persistent kernel runs each stage's tiles on its whole grid. A ``dense`` whose output has few
+tiles leaves most blocks idle through its whole K loop: paper BERT's second FFN GEMM (384 x 768
+from K = 3072) has 72 tiles of 64 x 64 for 132 SMs, and on an H100 it took 48 us a layer where
+the first (the same FLOPs as 288 tiles) took 23 (``benchmarks/results/gpu_h100.md``, the fp16
+timeline). Split into ``parts`` slices of K, it is ``parts`` times the tiles, each with a
+``parts`` times shorter K loop, in one GEMM-shaped stage with a batch axis, and a second stage
+sums the partial products (in float32 where the operands are narrower) with the bias:
+``souffle.ops.nn.dense``'s ``split_k``. The price is one grid barrier and the partial products'
+round trip through L2 (``parts x M x N`` float32 values).
+
+``parts``, a power of two whose slices keep at least ``MIN_CHUNK`` of K, minimizes the rounds
+of tiles the grid runs, each ``parts`` times shorter: ``ceil(tiles x parts / slots) / parts``,
+averaged over one and two blocks per SM (the kernel's residency is known only after ptxas; paper
+BERT fp16 runs 1, fp32 2). A GEMM is split only where that saves ``MIN_GAIN`` of its rounds, which
+pays for the barrier and the sum. A rule, not a search: the latency model is still 1.8x off the
+H100's stage times (``latency_vs_h100.md``), and the ``no-split-k`` variant
+(``benchmarks/gpu_variants.py``) lets the next GPU run time both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from souffle.graph import Graph, Op, Scan
+
+TILE = 64  # the output tile side of the matmul and smallest tensor-core schedules
+BLOCKS_PER_SM = (1, 2)  # the residencies a split is chosen for (codegen.schedule.GRID_WAVE: 2)
+# Each partial product keeps at least this much of K, so that its K loop still amortizes the
+# tile's prologue and its partial sums (written and read once) stay small against its operands.
+MIN_CHUNK = 512
+MIN_GAIN = 0.2  # the share of a GEMM's rounds of tiles a split must save
+
+
+def split_k(graph: Graph, device) -> tuple[Graph, list[str]]:
+    """``graph`` with each ``dense`` whose tiles would leave the grid idle split over K (scan
+    bodies included), and one note per split; ``graph`` itself is not changed."""
+    notes: list[str] = []
+    return _rewritten(graph, device.sms, notes), notes
+
+
+def rounds(tiles: int, parts: int, sms: int) -> float:
+    """The tile rounds of a GEMM of ``tiles`` tiles split ``parts`` ways, in units of the
+    unsplit tile's K loop, averaged over ``BLOCKS_PER_SM``."""
+    return sum(math.ceil(tiles * parts / (sms * blocks)) / parts for blocks in BLOCKS_PER_SM) / len(BLOCKS_PER_SM)
+
+
+def parts_for(rows: int, columns: int, reduction: int, sms: int) -> int:
+    """The number of K slices for a ``rows x columns`` GEMM over ``reduction`` (1: no split;
+    also for a GEMV, fewer than half a tile of rows or columns)."""
+    if min(rows, columns) < TILE // 2:
+        return 1  # a GEMV: one warp per output, no 64 x 64 tiles to count
+    tiles = math.ceil(rows / TILE) * math.ceil(columns / TILE)
+    candidates = [2 ** e for e in range(reduction.bit_length())
+                  if reduction % 2 ** e == 0 and reduction // 2 ** e >= MIN_CHUNK]
+    best = min(candidates or [1], key=lambda parts: (rounds(tiles, parts, sms), parts))
+    return best if rounds(tiles, best, sms) <= (1 - MIN_GAIN) * rounds(tiles, 1, sms) else 1
+
+
+def _rewritten(graph: Graph, sms: int, notes: list[str]) -> Graph:
+    ops, changed = [], False
+    for op in graph.ops:
+        new = op
+        if isinstance(op, Scan):
+            body = _rewritten(op.body, sms, notes)
+            new = op if body is op.body else dataclasses.replace(op, body=body)
+        elif op.kind == "dense" and op.attrs.get("split_k", 1) == 1:
+            x, w = graph.tensors[op.inputs[0]], graph.tensors[op.inputs[1]]
+            rows, (columns, reduction) = math.prod(x.shape[:-1]), w.shape
+            parts = parts_for(rows, columns, reduction, sms)
+            if parts > 1:
+                new = Op(op.kind, op.inputs, op.outputs, {**op.attrs, "split_k": parts})
+                tiles = math.ceil(rows / TILE) * math.ceil(columns / TILE)
+                notes.append(f"{graph.name}/{op.outputs[0]}: {rows} x {columns} over K = {reduction} has {tiles} "
+                             f"tiles of {TILE} x {TILE} for {sms} SMs -> {parts} partial GEMMs over "
+                             f"K = {reduction // parts} ({tiles * parts} tiles, {rounds(tiles, parts, sms):.2f} "
+                             f"of the rounds of tiles), then their sum")
+        changed |= new is not op
+        ops.append(new)
+    if not changed:
+        return graph
+    rewritten = Graph(graph.name, graph.inputs, list(graph.params.values()), ops, graph.outputs, graph.weights,
+                      graph.recipes)
+    rewritten.weight_notes = graph.weight_notes
+    return rewritten

@@ -1,0 +1,101 @@
+"""codegen.split_k: a GEMM too narrow for the grid as partial GEMMs over slices of K, then a sum."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+import souffle
+from codegen.split_k import parts_for
+from souffle.compiler import run_passes
+from souffle.graph import GraphBuilder
+
+NOTE = "narrow/y: 96 x 80 over K = 1024 has 4 tiles of 64 x 64 for 132 SMs -> 2 partial GEMMs over K = 512"
+
+
+@pytest.mark.parametrize("gemm, parts", [
+    ((384, 768, 3072), 4),  # paper BERT's FFN2: 72 tiles, 3 rounds of a quarter K on 132 SMs
+    ((384, 768, 768), 1),  # its attention output: a slice would be under MIN_CHUNK
+    ((384, 3072, 768), 1),  # FFN1: 288 tiles fill the grid
+    ((196, 512, 2048), 4),  # Swin-B stage 3's second MLP GEMM
+    ((49, 1024, 4096), 8),  # stage 4's
+    ((1, 1000, 1280), 1),  # a classifier's GEMV
+])
+def test_parts_follow_the_rounds_of_tiles_on_132_sms(gemm, parts):
+    assert parts_for(*gemm, sms=132) == parts
+
+
+def _narrow_gemm(seed: int = 0):
+    """relu(x @ W.T + b) with 4 tiles of output and K = 1024: split in two at O4."""
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder("narrow")
+    x = b.input("x", (96, 1024))
+    b.param("w", (rng.standard_normal((80, 1024)) / 32).astype(np.float32))
+    b.param("bias", rng.standard_normal(80).astype(np.float32))
+    graph = b.build(b.op("relu", b.op("dense", x, "w", "bias", name="y")))
+    inputs = {"x": rng.standard_normal((96, 1024)).astype(np.float32)}
+    expected = np.maximum(inputs["x"].astype(np.float64) @ graph.weights["w"].T + graph.weights["bias"], 0)
+    return graph, inputs, expected
+
+
+def test_a_narrow_gemm_is_two_stages_at_o4_and_one_below():
+    graph, _, _ = _narrow_gemm()
+    o4 = run_passes(graph, "cuda", stop="plan_arena", opt_level=4)
+    assert [n for n in o4.notes("transform") if n.startswith("narrow/y")] == [
+        NOTE + " (8 tiles, 0.50 of the rounds of tiles), then their sum"]
+    stages = {s.name: s for s in o4.ir.stages()}
+    (part,) = [s for name, s in stages.items() if "T_matmul_NT_part" in name]
+    assert tuple(int(d) for d in part.tensor.shape) == (2, 96, 80)
+    # the sum of the parts, with the bias and relu inlined into it, is the next stage
+    (total,) = [s for s in stages.values() if any(ref.base == part.write.base for ref in s.reads)]
+    assert total.barrier is not None and "T_matmul_NT_part" not in total.name  # reads other blocks' parts
+    o3 = run_passes(graph, "cuda", stop="plan_arena", opt_level=3)
+    assert not [s for s in o3.ir.stages() if "T_matmul_NT_part" in s.name]
+
+
+def test_the_split_gemm_matches_numpy_on_the_cpu():
+    graph, inputs, expected = _narrow_gemm()
+    model = souffle.compile(graph, target="llvm-persistent", opt_level=4)
+    np.testing.assert_allclose(model.run(inputs)[0], expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("parts", [2, 4, 8])
+def test_the_ops_split_k_is_the_same_product_on_the_cpu(parts):
+    """``dense``'s ``split_k`` on the CPU targets: llvm packs the weight and drops the split,
+    llvm-persistent at O3 (no split_k pass) lowers it as it is."""
+    graph, inputs, expected = _narrow_gemm()
+    b = GraphBuilder("explicit")
+    x = b.input("x", (96, 1024))
+    for name in ("w", "bias"):
+        b.param(name, graph.weights[name])
+    explicit = b.build(b.op("relu", b.op("dense", x, "w", "bias", split_k=parts)))
+    for model in (souffle.compile(explicit, target="llvm"), souffle.compile(explicit, target="llvm-persistent", opt_level=3)):
+        np.testing.assert_allclose(model.run(inputs)[0], expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
+def test_the_split_gemm_matches_numpy_on_emulated_threads():
+    graph, inputs, expected = _narrow_gemm()
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
+    assert any("T_matmul_NT_part" in s.name for s in model.kernel_plan.staged.stages())
+    for order in ("ascending", "descending"):
+        np.testing.assert_allclose(model.schedule(order, None, seed=5).run(inputs)[0], expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_narrow_partial_sums_stay_float32(precision):
+    """The partial products keep their float32 accumulators until the sum rounds once."""
+    graph, inputs, expected = _narrow_gemm()
+    run = run_passes(graph, "llvm-persistent", stop="plan_arena", opt_level=4, precision=precision)
+    (part,) = [s for s in run.ir.stages() if "T_matmul_NT_part" in s.name]
+    assert str(part.tensor.dtype) == "float32"
+    model = souffle.compile(graph, target="llvm-persistent", opt_level=4, precision=precision)
+    np.testing.assert_allclose(model.run(inputs)[0], expected, rtol=5e-2, atol=5e-2)
+
+
+def test_a_split_that_does_not_divide_k_is_refused_by_name():
+    b = GraphBuilder("bad")
+    x = b.input("x", (4, 1024))
+    b.param("w", np.zeros((8, 1024), np.float32))
+    with pytest.raises(Exception, match="split_k must be a positive integer dividing in_features 1024, got 3"):
+        b.op("dense", x, "w", split_k=3)
