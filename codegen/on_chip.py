@@ -79,23 +79,25 @@ class _Placement:
         self.weights = set(staged.weight_buffers)
         self.device = device
         self.stage_shared = max(s.schedule.shared_bytes for s in staged.stages())
-        self.budget = device.smem_per_block - self.stage_shared
+        self.capacity = device.smem_per_block - self.stage_shared  # for weights, per block
+        self.placed = 0  # bytes of weights placed per block
         self.limit = f"shared memory left per block on {device.name}"
         self.used: dict[str, int] = {}  # dtype -> elements of on-chip memory taken
         self.notes: list[str] = []
 
+    @property
+    def budget(self) -> int:
+        return self.capacity - self.placed
+
     def residency(self, stages: list[Stage], threads: int):
-        """Cap the budget at the shared memory that keeps the blocks per SM that ``stages``
-        (one kernel's) get from their registers (``stage_registers``, a floor) and threads."""
+        """Cap the weights' shared memory at what keeps the blocks per SM that ``stages`` (one
+        kernel's) get from their registers (``stage_registers``, a floor) and threads."""
         registers = max(stage_registers(s) for s in stages)
         blocks = co_resident_grid(registers, self.stage_shared, self.device, threads).blocks_per_sm
-        keeps = self.device.smem_per_sm // blocks - SHARED_RESERVED_PER_BLOCK - self.stage_shared - self._taken()
-        if keeps < self.budget:
-            self.budget = max(keeps, 0)
+        keeps = self.device.smem_per_sm // blocks - SHARED_RESERVED_PER_BLOCK - self.stage_shared
+        if keeps < self.capacity:
+            self.capacity = max(keeps, 0)
             self.limit = f"shared memory per block that keeps {blocks} blocks/SM on {self.device.name}"
-
-    def _taken(self) -> int:
-        return self.device.smem_per_block - self.stage_shared - self.budget
 
     def loop(self, loop: Loop, min_grid: int):
         for stage in stages_in(loop.items):
@@ -115,7 +117,7 @@ class _Placement:
                         f"{per_tile * np.dtype(ref.spec.dtype).itemsize} B = {load.bytes} B > {self.budget} B, the "
                         f"{self.limit}")
                     continue
-                self.budget -= load.bytes
+                self.placed += load.bytes
                 self.used[load.dtype] = load.offset + load.elements
                 stage.on_chip[k] = load
                 loop.loads.append(load)
