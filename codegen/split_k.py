@@ -5,9 +5,9 @@ tiles leaves most blocks idle through its whole K loop: paper BERT's second FFN 
 from K = 3072) has 72 tiles of 64 x 64 for 132 SMs, and on an H100 it took 48 us a layer where
 the first (the same FLOPs as 288 tiles) took 23 (``benchmarks/results/gpu_h100.md``, the fp16
 timeline). Split into ``parts`` slices of K, it is ``parts`` times the tiles, each with a
-``parts`` times shorter K loop, in one GEMM-shaped stage with a batch axis, and a second stage
-sums the partial products (in float32 where the operands are narrower) with the bias:
-``souffle.ops.nn.dense``'s ``split_k``. The price is one grid barrier and the partial products'
+``parts`` times shorter K loop, in one GEMM-shaped stage with a batch axis, and the next stage
+adds the partial products (float32 where the operands are narrower) and the bias, with whatever
+element-wise consumers vertical inlining folds into it: ``souffle.ops.nn.dense``'s ``split_k``. The price is one grid barrier and the partial products'
 round trip through L2 (``parts x M x N`` float32 values).
 
 ``parts``, a power of two whose slices keep at least ``MIN_CHUNK`` of K, minimizes the rounds
