@@ -377,12 +377,15 @@ def cuda_compile(source: CudaSource, device: DeviceModel) -> Outcome:
     bounded to one block per SM fewer each time, until it does not spill or one block is left;
     the first bound without spills is kept, and a note says so. Otherwise ptxas' choice stays."""
     names = tuple(source.plan.kernel_names)
-    dynamic = {f"{launch.kernel}_kernel": launch.dynamic_shared for launch in source.plan.kernel_launches()}
+    launches = _launches_by_kernel(source.plan)
     text, notes = source.text, []
     cubin, resources = compile_cubin(text, device.arch, names)
     for name in names:
         used = resources[name]
-        blocks = _blocks_per_sm(used, dynamic.get(name, 0), device, source.plan.staged.threads)
+        try:
+            blocks = _occupancy(used, launches[name], device, source.plan.staged.threads).blocks_per_sm
+        except TargetError:
+            continue  # check_co_residency refuses it, with the reason
         for bound in range(blocks - 1, 0, -1) if used.spill_bytes else ():
             bounded = _launch_bounds(text, name, source.plan.staged.threads, bound)
             bounded_cubin, bounded_resources = compile_cubin(bounded, device.arch, names)
@@ -395,11 +398,14 @@ def cuda_compile(source: CudaSource, device: DeviceModel) -> Outcome:
     return Outcome(CudaBinary(CudaSource(source.plan, text, source.device), cubin, resources), notes)
 
 
-def _blocks_per_sm(used: KernelResources, dynamic_shared: int, device: DeviceModel, threads: int) -> int:
-    try:
-        return co_resident_grid(used.registers, used.shared_bytes + dynamic_shared, device, threads).blocks_per_sm
-    except TargetError:
-        return 0  # check_co_residency refuses it, with the reason
+def _launches_by_kernel(plan: KernelPlan) -> dict:
+    """Each kernel's launch, by the kernel's name in the source (``<kernel>_kernel``)."""
+    return {f"{launch.kernel}_kernel": launch for launch in plan.kernel_launches()}
+
+
+def _occupancy(used: KernelResources, launch, device: DeviceModel, threads: int) -> Occupancy:
+    """The kernel's co-resident grid from ptxas' figures and its launch's dynamic shared memory."""
+    return co_resident_grid(used.registers, used.shared_bytes + launch.dynamic_shared, device, threads)
 
 
 def _launch_bounds(text: str, kernel: str, threads: int, blocks: int) -> str:
@@ -425,13 +431,12 @@ def check_co_residency(binary: CudaBinary, device: DeviceModel) -> CudaKernels:
     """Each kernel's co-resident grid on ``device`` from its ptxas figures and its launch; a kernel
     that cannot be co-resident, or not with the grid its on-chip weights assume, is refused."""
     plan = binary.source.plan
-    launches = {f"{launch.kernel}_kernel": launch for launch in plan.kernel_launches()}
+    launches = _launches_by_kernel(plan)
     occupancy = {}
     for name, used in binary.resources.items():
         launch = launches[name]
         try:
-            occupancy[name] = co_resident_grid(used.registers, used.shared_bytes + launch.dynamic_shared, device,
-                                               plan.staged.threads)
+            occupancy[name] = _occupancy(used, launch, device, plan.staged.threads)
         except TargetError as err:
             raise TargetError(f"kernel {name}: {err}") from None
         if occupancy[name].grid < launch.min_grid:

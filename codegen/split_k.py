@@ -7,8 +7,9 @@ the first (the same FLOPs as 288 tiles) took 23 (``benchmarks/results/gpu_h100.m
 timeline). Split into ``parts`` slices of K, it is ``parts`` times the tiles, each with a
 ``parts`` times shorter K loop, in one GEMM-shaped stage with a batch axis, and the next stage
 adds the partial products (float32 where the operands are narrower) and the bias, with whatever
-element-wise consumers vertical inlining folds into it: ``souffle.ops.nn.dense``'s ``split_k``. The price is one grid barrier and the partial products'
-round trip through L2 (``parts x M x N`` float32 values).
+element-wise consumers vertical inlining folds into it: ``souffle.ops.nn.dense``'s ``split_k``.
+The price is one grid barrier and the partial products' round trip through L2 (``parts x M x N``
+float32 values).
 
 ``parts``, a power of two whose slices keep at least ``MIN_CHUNK`` of K, minimizes the rounds
 of tiles the grid runs, each ``parts`` times shorter: ``ceil(tiles x parts / slots) / parts``,
@@ -47,12 +48,17 @@ def rounds(tiles: int, parts: int, sms: int) -> float:
     return sum(math.ceil(tiles * parts / (sms * blocks)) / parts for blocks in BLOCKS_PER_SM) / len(BLOCKS_PER_SM)
 
 
+def tiles_of(rows: int, columns: int) -> int:
+    """The ``TILE`` x ``TILE`` output tiles of a ``rows x columns`` GEMM."""
+    return math.ceil(rows / TILE) * math.ceil(columns / TILE)
+
+
 def parts_for(rows: int, columns: int, reduction: int, sms: int) -> int:
     """The number of K slices for a ``rows x columns`` GEMM over ``reduction`` (1: no split;
     also for a GEMV, fewer than half a tile of rows or columns)."""
     if min(rows, columns) < TILE // 2:
         return 1  # a GEMV: one warp per output, no 64 x 64 tiles to count
-    tiles = math.ceil(rows / TILE) * math.ceil(columns / TILE)
+    tiles = tiles_of(rows, columns)
     candidates = [2 ** e for e in range(reduction.bit_length())
                   if reduction % 2 ** e == 0 and reduction // 2 ** e >= MIN_CHUNK]
     best = min(candidates or [1], key=lambda parts: (rounds(tiles, parts, sms), parts))
@@ -72,7 +78,7 @@ def _rewritten(graph: Graph, sms: int, notes: list[str]) -> Graph:
             parts = parts_for(rows, columns, reduction, sms)
             if parts > 1:
                 new = Op(op.kind, op.inputs, op.outputs, {**op.attrs, "split_k": parts})
-                tiles = math.ceil(rows / TILE) * math.ceil(columns / TILE)
+                tiles = tiles_of(rows, columns)
                 notes.append(f"{graph.name}/{op.outputs[0]}: {rows} x {columns} over K = {reduction} has {tiles} "
                              f"tiles of {TILE} x {TILE} for {sms} SMs -> {parts} partial GEMMs over "
                              f"K = {reduction // parts} ({tiles * parts} tiles, {rounds(tiles, parts, sms):.2f} "
