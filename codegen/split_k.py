@@ -8,6 +8,10 @@ timeline). Split into ``parts`` slices of K, it is ``parts`` times the tiles, ea
 ``parts`` times shorter K loop, in one GEMM-shaped stage with a batch axis, and the next stage
 adds the partial products (float32 where the operands are narrower) and the bias, with whatever
 element-wise consumers vertical inlining folds into it: ``souffle.ops.nn.dense``'s ``split_k``.
+A 1x1 convolution (stride 1, unpadded, ungrouped) is the same GEMM in NCHW, one row per output
+pixel, and is split the same way (``conv2d``'s ``split_k``): on the H100, paper ResNeXt's layer-3
+1x1 convolutions (196 x 1024 over K = 1024, 64 tiles) took 110 us each, 4.96 of its 7.55 ms
+(``benchmarks/results/gpu_h100_2.md``).
 The price is one grid barrier and the partial products' round trip through L2 (``parts x M x N``
 float32 values).
 
@@ -26,6 +30,8 @@ import dataclasses
 import math
 
 from souffle.graph import Graph, Op, Scan
+from souffle.ops.common import int_pair
+from souffle.ops.nn import is_pointwise_gemm
 
 TILE = 64  # the output tile side of the matmul and smallest tensor-core schedules
 BLOCKS_PER_SM = (1, 2)  # the residencies a split is chosen for (codegen.schedule.GRID_WAVE: 2)
@@ -33,10 +39,11 @@ BLOCKS_PER_SM = (1, 2)  # the residencies a split is chosen for (codegen.schedul
 # tile's prologue and its partial sums (written and read once) stay small against its operands.
 MIN_CHUNK = 512
 MIN_GAIN = 0.2  # the share of a GEMM's rounds of tiles a split must save
+WINDOW_DEFAULTS = (("stride", 1), ("padding", 0), ("dilation", 1))  # conv2d's, each also its least value
 
 
 def split_k(graph: Graph, device) -> tuple[Graph, list[str]]:
-    """``graph`` with each ``dense`` whose tiles would leave the grid idle split over K (scan
+    """``graph`` with each GEMM (``gemm_of``) whose tiles would leave the grid idle split over K (scan
     bodies included), and one note per split; ``graph`` itself is not changed."""
     notes: list[str] = []
     return _rewritten(graph, device.sms, notes), notes
@@ -65,6 +72,23 @@ def parts_for(rows: int, columns: int, reduction: int, sms: int) -> int:
     return best if rounds(tiles, best, sms) <= (1 - MIN_GAIN) * rounds(tiles, 1, sms) else 1
 
 
+def gemm_of(graph: Graph, op: Op) -> tuple[int, int, int] | None:
+    """(rows, columns, reduction) of an op ``split_k`` can split: a ``dense``, or a ``conv2d``
+    that is a GEMM over its input channels as it stands (1x1, stride 1, unpadded, ungrouped:
+    ResNeXt's bottleneck convolutions); None for any other op."""
+    if op.kind not in ("dense", "conv2d"):
+        return None
+    x, w = graph.tensors[op.inputs[0]], graph.tensors[op.inputs[1]]
+    if op.kind == "dense":
+        return math.prod(x.shape[:-1]), w.shape[0], w.shape[1]
+    if op.kind == "conv2d":
+        windows = (int_pair(op.attrs.get(key, default), key, default) for key, default in WINDOW_DEFAULTS)
+        if is_pointwise_gemm(w.shape, *windows, op.attrs.get("groups", 1)):
+            batch, channels, height, width = x.shape
+            return batch * height * width, w.shape[0], channels
+    return None
+
+
 def _rewritten(graph: Graph, sms: int, notes: list[str]) -> Graph:
     ops, changed = [], False
     for op in graph.ops:
@@ -72,9 +96,8 @@ def _rewritten(graph: Graph, sms: int, notes: list[str]) -> Graph:
         if isinstance(op, Scan):
             body = _rewritten(op.body, sms, notes)
             new = op if body is op.body else dataclasses.replace(op, body=body)
-        elif op.kind == "dense" and op.attrs.get("split_k", 1) == 1:
-            x, w = graph.tensors[op.inputs[0]], graph.tensors[op.inputs[1]]
-            rows, (columns, reduction) = math.prod(x.shape[:-1]), w.shape
+        elif op.attrs.get("split_k", 1) == 1 and (gemm := gemm_of(graph, op)) is not None:
+            rows, columns, reduction = gemm
             parts = parts_for(rows, columns, reduction, sms)
             if parts > 1:
                 new = Op(op.kind, op.inputs, op.outputs, {**op.attrs, "split_k": parts})

@@ -792,7 +792,7 @@ REFERENCE: dict[str, Callable] = {
     "matmul": lambda a, b, transpose_b: torch.matmul(a, b.transpose(-1, -2) if transpose_b else b),
     "batch_matmul": lambda a, b, transpose_a, transpose_b: torch.bmm(
         a.transpose(1, 2) if transpose_a else a, b.transpose(1, 2) if transpose_b else b),
-    "conv2d": lambda x, w, b=None, *, stride, padding, dilation, groups: F.conv2d(
+    "conv2d": lambda x, w, b=None, *, stride, padding, dilation, groups, split_k=1: F.conv2d(
         x, w, b, _window(stride), _window(padding), _window(dilation), groups),
     "batch_norm": _reference_batch_norm,
     "layer_norm": lambda x, gamma, beta, eps: F.layer_norm(x, x.shape[-1:], gamma, beta, eps),

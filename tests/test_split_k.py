@@ -20,6 +20,8 @@ NOTE = "narrow/y: 96 x 80 over K = 1024 has 4 tiles of 64 x 64 for 132 SMs -> 2 
     ((196, 512, 2048), 4),  # Swin-B stage 3's second MLP GEMM
     ((49, 1024, 4096), 8),  # stage 4's
     ((1, 1000, 1280), 1),  # a classifier's GEMV
+    ((196, 1024, 1024), 2),  # paper ResNeXt's layer-3 1x1 convolutions: 64 tiles
+    ((49, 2048, 2048), 4),  # its layer-4 ones: 32 tiles
 ])
 def test_parts_follow_the_rounds_of_tiles_on_132_sms(gemm, parts):
     assert parts_for(*gemm, sms=132) == parts
@@ -99,3 +101,71 @@ def test_a_split_that_does_not_divide_k_is_refused_by_name():
     b.param("w", np.zeros((8, 1024), np.float32))
     with pytest.raises(Exception, match="split_k must be a positive integer dividing in_features 1024, got 3"):
         b.op("dense", x, "w", split_k=3)
+
+
+def _narrow_pointwise_conv(seed: int = 0, kernel: int = 1):
+    """relu(conv2d(x, W) + b), a 1x1 convolution of 2 x 48 pixels into 80 channels over 1024
+    input channels (4 tiles): split in two at O4, as ``_narrow_gemm``; ``kernel`` 3 (padded) is
+    no GEMM as it stands."""
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder("pointwise")
+    x = b.input("x", (2, 1024, 6, 8))
+    b.param("w", (rng.standard_normal((80, 1024, kernel, kernel)) / 32 / kernel).astype(np.float32))
+    b.param("bias", rng.standard_normal(80).astype(np.float32))
+    graph = b.build(b.op("relu", b.op("conv2d", x, "w", "bias", padding=kernel // 2, name="y")))
+    inputs = {"x": rng.standard_normal((2, 1024, 6, 8)).astype(np.float32)}
+    torch = pytest.importorskip("torch")
+    x, w, bias = (torch.tensor(a, dtype=torch.float64) for a in (inputs["x"], graph.weights["w"], graph.weights["bias"]))
+    conv = torch.nn.functional.conv2d(x, w, bias, padding=kernel // 2)
+    return graph, inputs, torch.relu(conv).numpy()
+
+
+def test_a_narrow_pointwise_convolution_is_split_like_a_gemm():
+    graph, _, _ = _narrow_pointwise_conv()
+    o4 = run_passes(graph, "cuda", stop="plan_arena", opt_level=4)
+    assert [n for n in o4.notes("transform") if n.startswith("pointwise/y")] == [
+        "pointwise/y: 96 x 80 over K = 1024 has 4 tiles of 64 x 64 for 132 SMs -> 2 partial GEMMs over K = 512 "
+        "(8 tiles, 0.50 of the rounds of tiles), then their sum"]
+    (part,) = [s for s in o4.ir.stages() if "conv2d_part" in s.name]
+    assert tuple(int(d) for d in part.tensor.shape) == (2, 2, 80, 6, 8)
+
+
+def test_a_convolution_that_is_no_gemm_as_it_stands_is_not_split():
+    graph, _, _ = _narrow_pointwise_conv(kernel=3)
+    o4 = run_passes(graph, "cuda", stop="plan_arena", opt_level=4)
+    assert not [n for n in o4.notes("transform") if "partial GEMMs" in n]
+    assert not [s for s in o4.ir.stages() if "conv2d_part" in s.name]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
+def test_the_split_pointwise_convolution_matches_torch_on_the_cpu_and_on_emulated_threads():
+    graph, inputs, expected = _narrow_pointwise_conv()
+    np.testing.assert_allclose(souffle.compile(graph, target="llvm-persistent", opt_level=4).run(inputs)[0],
+                               expected, rtol=1e-5, atol=1e-4)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
+    assert any("conv2d_part" in s.name for s in model.kernel_plan.staged.stages())
+    np.testing.assert_allclose(model.schedule("descending", None, seed=3).run(inputs)[0], expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("parts", [2, 8])
+def test_the_convolutions_split_k_is_the_same_product_on_the_cpu(parts):
+    graph, inputs, expected = _narrow_pointwise_conv()
+    b = GraphBuilder("explicit")
+    x = b.input("x", (2, 1024, 6, 8))
+    for name in ("w", "bias"):
+        b.param(name, graph.weights[name])
+    explicit = b.build(b.op("relu", b.op("conv2d", x, "w", "bias", split_k=parts)))
+    for model in (souffle.compile(explicit, target="llvm"), souffle.compile(explicit, target="llvm-persistent", opt_level=3)):
+        np.testing.assert_allclose(model.run(inputs)[0], expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_split_of_a_convolution_that_is_no_gemm_is_refused_by_name():
+    b = GraphBuilder("bad")
+    x = b.input("x", (1, 64, 8, 8))
+    b.param("w", np.zeros((8, 64, 3, 3), np.float32))
+    with pytest.raises(Exception, match=r"split_k applies to a 1x1, stride-1, unpadded, ungrouped convolution .* "
+                                        r"this one has a 3x3 kernel"):
+        b.op("conv2d", x, "w", padding=1, split_k=2)
+    b.param("w1", np.zeros((8, 64, 1, 1), np.float32))
+    with pytest.raises(Exception, match="split_k must be a positive integer dividing the input channels 64, got 3"):
+        b.op("conv2d", x, "w1", split_k=3)

@@ -249,17 +249,37 @@ def _conv2d(specs, attrs):
         fail(f"bias must have shape [{o}], got {list(specs[2].shape)}")
     out_h = _window_count(h, r, stride[0], padding[0], dilation[0])
     out_w = _window_count(wd, s, stride[1], padding[1], dilation[1])
+    parts = attrs["split_k"]
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or c % parts:
+        fail(f"split_k must be a positive integer dividing the input channels {c}, got {parts!r}")
+    if parts > 1 and not is_pointwise_gemm(w.shape, stride, padding, dilation, groups):
+        fail(f"split_k applies to a 1x1, stride-1, unpadded, ungrouped convolution (a GEMM over the channels); "
+             f"this one has a {r}x{s} kernel, stride {list(stride)}, padding {list(padding)}, dilation "
+             f"{list(dilation)} and {groups} groups")
     return [((n, o, out_h, out_w), x.dtype)]
 
 
-@register_op("conv2d", infer=_conv2d, n_inputs=(2, 3), attrs={"stride": 1, "padding": 0, "dilation": 1, "groups": 1})
-def conv2d(inputs, stride, padding, dilation, groups):
-    """torch.nn.functional.conv2d on NCHW input and OIHW weight, grouped and depthwise included."""
+def is_pointwise_gemm(weight_shape, stride, padding, dilation, groups) -> bool:
+    """Whether a convolution is a GEMM over its input channels as it stands: a 1x1 kernel at
+    stride 1, unpadded and ungrouped (each output pixel one row, each output channel one column)."""
+    return (tuple(weight_shape[2:]) == (1, 1) and groups == 1
+            and all(tuple(v) == (1, 1) for v in (stride, dilation)) and tuple(padding) == (0, 0))
+
+
+@register_op("conv2d", infer=_conv2d, n_inputs=(2, 3),
+             attrs={"stride": 1, "padding": 0, "dilation": 1, "groups": 1, "split_k": 1})
+def conv2d(inputs, stride, padding, dilation, groups, split_k):
+    """torch.nn.functional.conv2d on NCHW input and OIHW weight, grouped and depthwise included.
+
+    ``split_k`` > 1 (a 1x1, stride-1, unpadded, ungrouped convolution only) sums the input
+    channels as that many partial products over equal slices of them, as ``dense``'s does."""
     x, w = inputs[0], inputs[1]
     _, stride, padding, dilation = _window_attrs({"stride": stride, "padding": padding, "dilation": dilation})
     channels, out_channels = int(x.shape[1]), int(w.shape[0])
     accumulator = _accumulator(x)
-    if groups == 1:
+    if split_k > 1:
+        y = _split_k_pointwise(x, w, split_k, accumulator)
+    elif groups == 1:
         y = topi.nn.conv2d_nchw(x, w, stride, padding, dilation, out_dtype=accumulator)
     elif groups == channels:
         # torch's (C*m, 1, R, S) depthwise weight is topi's (C, m, R, S): channel c*m+q reads input c.
@@ -271,6 +291,22 @@ def conv2d(inputs, stride, padding, dilation, groups):
         bias = inputs[2]
         y = te.compute(y.shape, lambda n, o, i, j: y[n, o, i, j] + bias[o].astype(accumulator), name="conv2d_bias")
     return _rounded(y, x)
+
+
+def _split_k_pointwise(x: te.Tensor, w: te.Tensor, parts: int, accumulator: str) -> te.Tensor:
+    """A 1x1 convolution as ``parts`` partial products ``[parts, N, O, H, W]`` over consecutive
+    slices of the input channels, then their sum: ``_split_k_dense``'s two TEs in NCHW."""
+    (batch, channels, height, width), out_channels = shape_of(x), int(w.shape[0])
+    chunk = channels // parts
+    r = te.reduce_axis((0, chunk), name="rc")
+    partial = te.compute(
+        (parts, batch, out_channels, height, width),
+        lambda p, n, o, i, j: te.sum(x[n, p * chunk + r, i, j].astype(accumulator)
+                                     * w[o, p * chunk + r, 0, 0].astype(accumulator), axis=r),
+        name="conv2d_part", tag="conv2d_nchw")
+    return te.compute((batch, out_channels, height, width),
+                      lambda *i: functools.reduce(operator.add, (partial[(p, *i)] for p in range(parts))),
+                      name="conv2d_sum")
 
 
 @export_rule("conv2d")

@@ -68,7 +68,7 @@ def _conv2d_packed(specs, attrs):
     require_rank(w, 5, "packed weight (O / B, C / groups, R, S, B)")
     require_float(*specs)
     unpacked = type(w)(w.name, _unpacked_shape(w.shape), w.dtype)
-    return conv2d_rule([x, unpacked] + list(specs[2:]), attrs)
+    return conv2d_rule([x, unpacked] + list(specs[2:]), {**attrs, "split_k": 1})  # the CPU's packed conv is whole
 
 
 @register_op(
