@@ -43,6 +43,14 @@ CONFIGS = {
 IGNORED_SUFFIXES = ("num_batches_tracked",)
 
 TOLERANCE = {"tiny": (1e-4, 1e-4), "paper": (1e-4, 1e-4)}
+# At float16 the paper's 16 MBConv blocks compound roundings past FP16_TOLERANCE's atol 1e-2 in
+# PyTorch itself: its autocast departs from its float32 by 0.0145-0.0329 (max abs; 0.012-0.024
+# beyond rtol 1e-2) on make_inputs seeds 0-3, whose outputs reach 3.7-6.7. Souffle's CPU function
+# differs from autocast by 0.024-0.055 (0.017-0.032 beyond rtol 1e-2; the H100 kernel 0.0244 on the
+# GPU check's seed 1), within twice PyTorch's own departure, as two independent roundings may
+# (``souffle.models.tolerance``). Convolutions accumulating in float16 (the CPU's packed ones did)
+# differed by 0.061-0.113 (0.050-0.100 beyond rtol): atol 4e-2 fails that on every seed.
+NARROW_TOLERANCE = {"paper": {"fp16": (1e-2, 4e-2)}}
 
 BN_EPS = 1e-5
 

@@ -5,7 +5,9 @@ vectorizes over output features would walk the weight with a stride of a whole r
 The packed ops read ``Wp[n // B, k, n % B]`` (and ``Wp[o // B, c, r, s, o % B]``),
 so ``B`` consecutive output features are adjacent in memory. ``pack_rows`` makes the
 packed array from the original one (``codegen.cpu_transforms`` rewrites the graph);
-the results are bit-for-bit those of the unpacked op with the same summation order.
+the results are bit-for-bit those of the unpacked op with the same summation order, at every
+precision: float16 and bfloat16 operands accumulate in float32 and round once, as the
+unpacked ops do (``souffle.precision``).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import numpy as np
 from tvm import te, topi
 
 from souffle.ops.common import is_int, prod, require_float, require_rank, require_same_dtype, shape_of
+from souffle.ops.nn import _accumulator, _rounded, _window_attrs
 from souffle.ops.nn import _conv2d as conv2d_rule
-from souffle.ops.nn import _window_attrs
 from souffle.ops.registry import fail, register_op
 
 
@@ -52,14 +54,16 @@ def dense_packed(inputs):
     blocks, in_features, block = shape_of(wp)
     x2 = topi.reshape(x, (prod(lead), in_features)) if len(lead) != 1 else x
     k = te.reduce_axis((0, in_features), name="k")
+    acc = _accumulator(x)
     y = te.compute(
         (prod(lead), blocks * block),
-        lambda i, j: te.sum(x2[i, k] * wp[j // block, k, j % block], axis=k),
+        lambda i, j: te.sum(x2[i, k].astype(acc) * wp[j // block, k, j % block].astype(acc), axis=k),
         name="dense_packed",
     )
     if len(inputs) == 3:
         bias = inputs[2]
-        y = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="dense_packed_bias")
+        y = te.compute(y.shape, lambda i, j: y[i, j] + bias[j].astype(acc), name="dense_packed_bias")
+    y = _rounded(y, x)
     return topi.reshape(y, lead + (blocks * block,)) if len(lead) != 1 else y
 
 
@@ -95,15 +99,17 @@ def conv2d_packed(inputs, stride, padding, dilation, groups):
     def channel(o):
         return rc if groups == 1 else o // group_outputs * group_channels + rc
 
+    acc = _accumulator(x)
     y = te.compute(
         (n, out_channels, out_h, out_w),
         lambda b, o, i, j: te.sum(
-            padded[b, channel(o), i * sh + ry * dh, j * sw + rx * dw] * wp[o // block, rc, ry, rx, o % block],
+            padded[b, channel(o), i * sh + ry * dh, j * sw + rx * dw].astype(acc)
+            * wp[o // block, rc, ry, rx, o % block].astype(acc),
             axis=[rc, ry, rx],
         ),
         name="conv2d_packed",
     )
-    if len(inputs) == 2:
-        return y
-    bias = inputs[2]
-    return te.compute(y.shape, lambda b, o, i, j: y[b, o, i, j] + bias[o], name="conv2d_packed_bias")
+    if len(inputs) == 3:
+        bias = inputs[2]
+        y = te.compute(y.shape, lambda b, o, i, j: y[b, o, i, j] + bias[o].astype(acc), name="conv2d_packed_bias")
+    return _rounded(y, x)
