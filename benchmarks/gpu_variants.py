@@ -54,6 +54,12 @@ def _without_split_k() -> list:
     return [mock.patch.object(pipelines, "split_k", split_nothing)]
 
 
+def _quarter_k_chunks() -> list:
+    from codegen import split_k
+
+    return [mock.patch.object(split_k, "MIN_CHUNK", 256)]
+
+
 def _occupancy_model() -> list:
     from analysis import latency
 
@@ -74,6 +80,11 @@ VARIANTS = {
         "K and their sum (paper BERT's FFN2, 72 tiles: 48 us a layer on the H100 where FFN1's 288 took 23); "
         "does the split pay for its barrier and partial sums?",
         _without_split_k),
+    "split-k-256": Variant(
+        "split_k with slices of K down to 256 (MIN_CHUNK 512 by default): paper ResNeXt's layer-3 1x1 "
+        "convolutions in 4 parts, not 2, BERT's FFN2 in 8 and its attention output in 2; do shorter K loops "
+        "on more of the grid pay for the larger partial sums?",
+        _quarter_k_chunks),
     "occupancy": Variant(
         "the latency model with WARPS_TO_SATURATE = 32 (analysis.latency), which orders the H200's opt "
         "levels better, choosing the schedules: more, smaller tiles (with the 128 x 32 matmul tiles of the H200 "

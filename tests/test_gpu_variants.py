@@ -55,6 +55,20 @@ def test_no_split_k_keeps_every_gemm_whole_and_only_while_applied():
     assert parts(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == 1
 
 
+def test_split_k_256_cuts_k_into_slices_of_256_and_only_while_applied():
+    """The narrow GEMM's K of 1024 in 4 slices of 256 (2 of 512 by default): 16 tiles, still one
+    round of a 132-SM grid, each a quarter of K."""
+    graph = _narrow_gemm()[0]
+
+    def slices(staged) -> list:
+        return [int(stage.tensor.shape[0]) for stage in staged.stages() if "T_matmul_NT_part" in stage.name]
+
+    assert slices(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == [2]
+    with gpu_variants.applied("split-k-256"):
+        assert slices(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == [4]
+    assert slices(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == [2]
+
+
 def test_occupancy_turns_the_latency_models_occupancy_term_on_for_the_compile():
     from analysis import latency
 
