@@ -32,6 +32,7 @@ export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir"
 # depthwise convolutions)
 "${export[@]}" --configs paper --levels 0 1 2 --models efficientnet swin
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models efficientnet
+"$python" benchmarks/gpu_barrier.py export "$dir/barrier"  # the grid barrier's cost, measured first
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo '+uncommitted')" > "$dir/COMMIT"
 tar -C "$(dirname "$dir")" -cf - "$(basename "$dir")" | xz -6 -T0 > "$pack"
 size=$(stat -c %s "$pack")

@@ -15,7 +15,9 @@
 # on the tiny O3 and O4 kernels; the paper O4 kernels' timelines (the stages between grid
 # barriers, timed) and ncu's DRAM bytes and launches; PyTorch eager, CUDA graphs, torch.compile
 # (reduce-overhead, default, max-autotune) on the same weights and inputs.
-# OUT gets device.txt, pytest_gpu.txt, gpu_kernels.{json,md}, gpu_torch.{json,md} and log.txt.
+# OUT gets device.txt, pytest_gpu.txt, gpu_barrier.{json,md} (the cost of a grid barrier by grid size,
+# where BUNDLES has the barrier/ benchmarks/gpu_barrier.py exports), gpu_kernels.{json,md},
+# gpu_torch.{json,md} and log.txt.
 #
 # What a run that follows an earlier one should measure first can be set in the environment (the
 # defaults in brackets): FIRST, the bundles checked and timed first ['*+*' '*_paper_O4*'
@@ -38,6 +40,11 @@ echo "tools: $(command -v nvcc ncu compute-sanitizer | tr '\n' ' ')" | tee -a "$
 echo "== pytest -m gpu ($(left) s left)"
 SOUFFLE_GPU_ARTIFACTS=$bundles timeout 90 $python -m pytest -m gpu -q -p no:cacheprovider \
     tests/test_runtime_cuda.py tests/test_gpu.py 2>&1 | tail -40 | tee "$out/pytest_gpu.txt"
+
+if [ -d "$bundles/barrier" ]; then
+    echo "== grid barrier cost ($(left) s left)"
+    timeout 60 $python benchmarks/gpu_barrier.py run "$bundles/barrier" --results "$out" --phases 1000 --repeat 10
+fi
 
 echo "== Souffle's kernels ($(left) s left)"
 # the compiler variants and the paper kernels first; the checks stop starting at 30% of what is
