@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import fnmatch
 import json
+import re
 import statistics
 import sys
 import time
@@ -59,11 +60,12 @@ def device_model(gpu_name: str) -> str:
 
 
 def estimate_row(measured: dict, bundles: Path | None, warps_to_saturate: int | None = None,
-                 stages: bool = False) -> dict:
+                 stages: bool = False, segments: bool = False) -> dict:
     """One measured kernel recompiled here and estimated on its GPU's device model; with
     ``warps_to_saturate``, estimated with ``analysis.latency``'s occupancy term at that value
     (the kernel compiled as it was, so that it is still the one that ran); with ``stages``, each
-    stage's five times too (a megabyte or two for the 59 kernels of the H200 run). A compiler
+    stage's five times too (a megabyte or two for the 59 kernels of the H200 run); with
+    ``segments``, each timed segment of its timeline beside its stages' estimate. A compiler
     variant's bundle (``BASE+VARIANT``, ``gpu_variants``) is compiled and estimated with it."""
     from analysis import latency
     from souffle import compile, models
@@ -94,11 +96,64 @@ def estimate_row(measured: dict, bundles: Path | None, warps_to_saturate: int | 
                              "launches": estimate.launch_seconds * 1e3},
                 "counts": {"grid barriers": estimate.grid_barriers, "launches": estimate.launches},
                 "stage_ms_by_bound": bounds})
+    if segments and measured.get("timeline", {}).get("segments"):
+        row["segments"] = segment_rows(measured["timeline"]["segments"], estimate)
     if stages:
         row["stages"] = [{"name": s.work.name, "template": s.work.template, "executions": s.work.executions,
                           "blocks_per_sm": s.work.blocks_per_sm, "waves": s.work.waves,
                           "times_us": {k: v * 1e6 for k, v in s.times.items()}} for s in estimate.stages]
     return row
+
+
+def segment_rows(timed: list[dict], estimate) -> list[dict]:
+    """Each timed segment (the stages between two grid barriers, ``gpu_kernels.py``'s timeline)
+    beside the sum of its stages' estimates for one execution, and its stages' templates. A
+    segment of a stage the estimate does not name (an on-chip load) is left out."""
+    per_execution = {s.work.name: (s.seconds * 1e6, s.work.template) for s in estimate.stages}
+    rows = []
+    for segment in timed:
+        names = [re.sub(r"@\d+$", "", name) for name in segment["stages"]]
+        if segment.get("measured_us") is None or not all(name in per_execution for name in names):
+            continue
+        rows.append({"stages": segment["stages"], "measured_us": segment["measured_us"],
+                     "estimate_us": sum(per_execution[name][0] for name in names),
+                     "templates": sorted({per_execution[name][1] for name in names})})
+    return rows
+
+
+def segment_summary(rows: list[dict]) -> dict:
+    """The timed segments of every compared kernel: measured over estimated by template (segments
+    of one template), and a least-squares split of the measured times into a factor on the
+    estimate and a fixed cost per segment (the grid barrier that ends it, the blocks' ramp after
+    it: what the model's ``GRID_SYNC_SECONDS`` stands for)."""
+    segments = [s for r in rows for s in r.get("segments", [])]
+    if not segments:
+        return {}
+    by_template: dict[str, list[float]] = {}
+    for s in segments:
+        if len(s["templates"]) == 1 and s["estimate_us"] > 0:
+            by_template.setdefault(s["templates"][0], []).append(s["measured_us"] / s["estimate_us"])
+    a = np.array([[s["estimate_us"], 1.0] for s in segments])
+    y = np.array([s["measured_us"] for s in segments])
+    (factor, fixed_us), _ = nnls(a, y)
+    return {"segments": len(segments),
+            "by_template": {t: {"segments": len(v), "median": statistics.median(v), "p10": sorted(v)[len(v) // 10],
+                                "p90": sorted(v)[-1 - len(v) // 10]} for t, v in sorted(by_template.items())},
+            "fit": {"estimate_factor": float(factor), "fixed_us_per_segment": float(fixed_us)}}
+
+
+def segment_table(stats: dict) -> list[str]:
+    if not stats:
+        return []
+    fit = stats["fit"]
+    lines = ["", f"Timed segments (the stages between grid barriers) of the kernels above: {stats['segments']}. "
+             f"Least squares: measured = {fit['estimate_factor']:.2f} x the stages' estimate + "
+             f"{fit['fixed_us_per_segment']:.2f} us per segment.", "",
+             "| template (segments of one) | segments | measured / estimated, median | 10% | 90% |",
+             "|---|---|---|---|---|"]
+    for template, t in stats["by_template"].items():
+        lines.append(f"| {template} | {t['segments']} | {t['median']:.2f} | {t['p10']:.2f} | {t['p90']:.2f} |")
+    return lines
 
 
 def order_agreement(rows: list[dict]) -> dict:
@@ -135,7 +190,7 @@ def summary(rows: list[dict]) -> dict:
     ratios = sorted(r["measured_ms"] / r["estimate_ms"] for r in rows)
     return {"kernels": len(rows), "ratio_median": statistics.median(ratios), "ratio_min": ratios[0],
             "ratio_max": ratios[-1], "ratio_p10": ratios[len(ratios) // 10], "ratio_p90": ratios[-1 - len(ratios) // 10],
-            "order": order_agreement(rows), "fit": fit_parts(rows)}
+            "order": order_agreement(rows), "fit": fit_parts(rows), "segments": segment_summary(rows)}
 
 
 def table(rows: list[dict], skipped: list[dict], stats: dict) -> str:
@@ -159,6 +214,7 @@ def table(rows: list[dict], skipped: list[dict], stats: dict) -> str:
                      f"{r['measured_ms'] / r['estimate_ms']:.2f} | {parts['stages']:.3f} | "
                      f"{counts['grid barriers']} ({parts['grid barriers']:.3f}) | {counts['launches']} "
                      f"({parts['launches']:.3f}) | {bounds} |")
+    lines += segment_table(stats.get("segments", {}))
     if skipped:
         lines += ["", "Left out:", ""] + [f"- {r['bundle']}: {r['skipped']}" for r in skipped]
     return "\n".join(lines)
@@ -171,6 +227,8 @@ def main() -> None:
     parser.add_argument("--only", default="*", help="bundles to compare (a glob, default all)")
     parser.add_argument("--name", default="latency_vs_gpu", help="results file name (benchmarks/results/NAME.json, .md)")
     parser.add_argument("--stages", action="store_true", help="also write each stage's estimated times")
+    parser.add_argument("--segments", action="store_true", help="also set each timed segment (a timeline's "
+                        "stages between grid barriers) beside its stages' estimate, summed up by template")
     parser.add_argument("--warps-to-saturate", type=int, help="estimate with analysis.latency's occupancy term at "
                         "this value (WARPS_TO_SATURATE; the kernels compiled as the default compiles them)")
     args = parser.parse_args()
@@ -179,7 +237,7 @@ def main() -> None:
                 and k.get("check") == "PASS" and k.get("median_ms")]
     rows = []
     for kernel in measured:
-        row = estimate_row(kernel, args.bundles, args.warps_to_saturate, args.stages)
+        row = estimate_row(kernel, args.bundles, args.warps_to_saturate, args.stages, args.segments)
         rows.append(row)
         print(f"{row['bundle']}: " + (row["skipped"] if "skipped" in row else f"estimate {row['estimate_ms']:.3f} ms"),
               flush=True)

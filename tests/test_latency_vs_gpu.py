@@ -64,3 +64,26 @@ def test_a_variant_bundle_is_compiled_and_estimated_with_its_variant():
     assert loads(base) and not loads(variant)
     assert variant["estimate_ms"] != base["estimate_ms"]
     assert latency_vs_gpu.order_agreement([base, variant])["pairs"] == 0
+
+
+def test_timed_segments_are_set_beside_their_stages_estimates_and_split_into_factor_and_fixed_cost():
+    """A segment is matched to its stages by name (a loop's ``@i`` dropped), one naming a stage the
+    estimate lacks is left out; segments made as 3 x estimate + 4 us are split back into them."""
+    from types import SimpleNamespace
+
+    def stage(name, us, template):
+        return SimpleNamespace(seconds=us * 1e-6, work=SimpleNamespace(name=name, template=template))
+
+    estimate = SimpleNamespace(stages=[stage("r0/a", 2.0, "matmul"), stage("r0/b", 1.0, "elementwise"),
+                                       stage("r0/c", 10.0, "tensor_core")])
+    timed = [{"stages": ["r0/a@0"], "measured_us": 10.0}, {"stages": ["r0/a@1", "r0/b@1"], "measured_us": 13.0},
+             {"stages": ["r0/c"], "measured_us": 34.0}, {"stages": ["on-chip load for r0/a"], "measured_us": 5.0},
+             {"stages": ["r0/b"], "measured_us": None}]
+    rows = latency_vs_gpu.segment_rows(timed, estimate)
+    assert [(r["estimate_us"], r["templates"]) for r in rows] == [
+        (2.0, ["matmul"]), (3.0, ["elementwise", "matmul"]), (10.0, ["tensor_core"])]
+    stats = latency_vs_gpu.segment_summary([{"segments": rows}])
+    assert stats["fit"] == {"estimate_factor": pytest.approx(3.0), "fixed_us_per_segment": pytest.approx(4.0)}
+    assert stats["by_template"]["matmul"]["median"] == pytest.approx(5.0)  # the mixed segment is no template's
+    assert set(stats["by_template"]) == {"matmul", "tensor_core"}
+    assert "3.00 x the stages' estimate + 4.00 us per segment" in "\n".join(latency_vs_gpu.segment_table(stats))
