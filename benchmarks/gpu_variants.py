@@ -60,6 +60,20 @@ def _quarter_k_chunks() -> list:
     return [mock.patch.object(split_k, "MIN_CHUNK", 256)]
 
 
+def _long_matmul_chunks() -> list:
+    from codegen import latency, schedule
+
+    return [mock.patch.object(schedule, "MATMUL_K_CHUNK", 32), mock.patch.object(latency, "MATMUL_K_CHUNK", 32)]
+
+
+def _deep_tensor_core_tiles() -> list:
+    import dataclasses
+
+    from codegen import schedule
+
+    return [mock.patch.object(schedule, "TILES", tuple(dataclasses.replace(t, k_fragments=8) for t in schedule.TILES))]
+
+
 def _occupancy_model() -> list:
     from analysis import latency
 
@@ -85,6 +99,17 @@ VARIANTS = {
         "convolutions in 4 parts, not 2, BERT's FFN2 in 8 and its attention output in 2; do shorter K loops "
         "on more of the grid pay for the larger partial sums?",
         _quarter_k_chunks),
+    "k-chunk-32": Variant(
+        "dlight's SIMT matmul staging 32 terms of K at a time, not 16: half as many rounds of copy, "
+        "__syncthreads and compute per tile. On the H100 each chunk of paper ResNeXt's layer-3 1x1 "
+        "convolutions took 1.7 us (110 us for 64 of them) where the model puts its compute at 0.33 us: "
+        "is the time per chunk a fixed wait that longer chunks amortize?",
+        _long_matmul_chunks),
+    "tc-depth-128": Variant(
+        "tensor-core tiles staging 128 terms of K at a time, not 64 (twice the operand slices in shared "
+        "memory): paper BERT fp16's 128 x 128 tiles took 1.8 to 1.9 us per chunk of 64 on the H100; "
+        "does half as many chunks pay?",
+        _deep_tensor_core_tiles),
     "occupancy": Variant(
         "the latency model with WARPS_TO_SATURATE = 32 (analysis.latency), which orders the H200's opt "
         "levels better, choosing the schedules: more, smaller tiles (with the 128 x 32 matmul tiles of the H200 "

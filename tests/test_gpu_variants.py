@@ -1,6 +1,7 @@
 """benchmarks/gpu_variants.py: each compiler variant changes what it says and nothing else, and
 its bundles are named after their base so that a GPU run times both."""
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -67,6 +68,37 @@ def test_split_k_256_cuts_k_into_slices_of_256_and_only_while_applied():
     with gpu_variants.applied("split-k-256"):
         assert slices(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == [4]
     assert slices(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == [2]
+
+
+def _gemm_stage(precision: str, variant: str | None = None):
+    """The one GEMM stage of relu(x @ W.T), 256 x 512 over K = 512: dlight's SIMT matmul at fp32,
+    64 x 64 tensor-core tiles at fp16."""
+    import numpy as np
+
+    from souffle.graph import GraphBuilder
+
+    b = GraphBuilder("gemm")
+    x = b.input("x", (256, 512))
+    b.param("w", np.zeros((512, 512), np.float32))
+    graph = b.build(b.op("relu", b.op("dense", x, "w", name="y")))
+    with gpu_variants.applied(variant) if variant else contextlib.nullcontext():
+        run = run_passes(graph, "cuda", stop="plan_arena", opt_level=4, precision=precision)
+    (stage,) = [s for s in run.ir.stages() if s.schedule.template in ("matmul", "tensor_core")]
+    return stage.schedule
+
+
+def test_k_chunk_32_stages_twice_the_terms_of_each_operand_slice():
+    base, longer = _gemm_stage("fp32"), _gemm_stage("fp32", "k-chunk-32")
+    assert (base.template, longer.template) == ("matmul", "matmul")
+    # both operands' slices of 64 rows hold 16 more float32 terms each
+    assert longer.shared_bytes - base.shared_bytes == 2 * 64 * 16 * 4
+    assert _gemm_stage("fp32").shared_bytes == base.shared_bytes  # only while applied
+
+
+def test_tc_depth_128_stages_128_terms_per_tensor_core_chunk():
+    base, deeper = _gemm_stage("fp16"), _gemm_stage("fp16", "tc-depth-128")
+    assert (base.tensor_core_tile.depth, deeper.tensor_core_tile.depth) == (64, 128)
+    assert _gemm_stage("fp16").tensor_core_tile.depth == 64
 
 
 def test_occupancy_turns_the_latency_models_occupancy_term_on_for_the_compile():
