@@ -74,6 +74,12 @@ def _deep_tensor_core_tiles() -> list:
     return [mock.patch.object(schedule, "TILES", tuple(dataclasses.replace(t, k_fragments=8) for t in schedule.TILES))]
 
 
+def _two_rows_per_warp() -> list:
+    from codegen import schedule
+
+    return [mock.patch.object(schedule, "WARP_REDUCE_ROWS", 2)]
+
+
 def _occupancy_model() -> list:
     from analysis import latency
 
@@ -110,6 +116,11 @@ VARIANTS = {
         "memory): paper BERT fp16's 128 x 128 tiles took 1.8 to 1.9 us per chunk of 64 on the H100; "
         "does half as many chunks pay?",
         _deep_tensor_core_tiles),
+    "two-rows-per-warp": Variant(
+        "warp_reduce tiles of two outputs per warp, reduced one after the other (16 per tile, not 8): paper "
+        "LSTM's wavefront step is 1280 tiles of 8 gates, two rounds of its 660 blocks, and took 8.3 us on the "
+        "H100; is one round of 640 longer tiles faster?",
+        _two_rows_per_warp),
     "occupancy": Variant(
         "the latency model with WARPS_TO_SATURATE = 32 (analysis.latency), which orders the H200's opt "
         "levels better, choosing the schedules: more, smaller tiles (with the 128 x 32 matmul tiles of the H200 "

@@ -4,7 +4,8 @@ are scheduled and emitted (``codegen.schedule``, ``codegen.cuda``), not as they 
 Per stage, from its template, tiles and epilogue:
 
 - who works: an elementwise or thread_reduce tile gives one output to each of its threads, a
-  warp_reduce tile one output to each warp, its 32 lanes splitting the reduction;
+  warp_reduce tile ``per_tile / warps`` outputs to each warp (one by default), one after the
+  other, its 32 lanes splitting each reduction;
 - where the reduction accumulates: in a register, in every template (a thread_reduce stage
   without a fused epilogue gets a copy as its register epilogue, ``codegen.schedule``); the
   result is stored once;
@@ -268,15 +269,16 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
             steps = -(-terms // UNROLLED_STEPS)
             result_sectors = _store_sectors(reduction, lanes)
             on_chip_steps = 0
-        else:  # warp_reduce: one output per warp, its lanes along the reduction, then shuffles
-            results = min(warps, outputs)
-            active = WARP * results
-            lanes = _reduction_lanes(reduction, min(tile * warps, outputs - 1), terms)
+        else:  # warp_reduce: each warp's outputs one after the other, its lanes along the reduction, then shuffles
+            rows = schedule.per_tile // warps
+            results = min(schedule.per_tile, outputs)
+            active = WARP * min(warps, outputs)
+            lanes = _reduction_lanes(reduction, min(tile * schedule.per_tile, outputs - 1), terms)
             per_lane = -(-terms // WARP)
             instructions = results * per_lane
-            steps = -(-per_lane // UNROLLED_STEPS)
+            steps = rows * -(-per_lane // UNROLLED_STEPS)
             result_sectors = 1
-            on_chip_steps = SHUFFLE_ROUNDS
+            on_chip_steps = rows * SHUFFLE_ROUNDS
         loads_of(loads, lanes, instructions)
         if all(a.space == "shared" for a in accesses):
             memory_steps, on_chip_steps = 0, on_chip_steps + steps

@@ -66,6 +66,10 @@ THREADS = 256  # one thread-block shape for every stage of a kernel
 WARP = 32
 WARP_REDUCE_MIN_EXTENT = 32  # shorter reductions leave lanes of the warp idle
 GRID_WAVE = 132 * 2  # tiles that keep a full GPU busy (H200: 132 SMs, two blocks each)
+# Outputs each warp of a warp_reduce tile reduces, one after the other: a tile has warps x this
+# many. More than one makes fewer, longer tiles (paper LSTM's wavefront step: 1280 tiles of 8 gates
+# in two rounds of its 660 blocks; the ``two-rows-per-warp`` variant times 640 of 16).
+WARP_REDUCE_ROWS = 1
 # A GEMM-shaped stage with at least this many outputs (one tile of dlight's matmul at 256
 # threads, 64 x 64) is scheduled by ``matmul_stage``; smaller ones by ``thread_reduce``.
 MATMUL_MIN_OUTPUTS = 64 * 64
@@ -143,7 +147,7 @@ def tiling(outputs: int, reduction: int, threads: int = THREADS) -> tuple[str, i
     template = choose_template(outputs, reduction, threads)
     if template == "elementwise":
         return template, (4 if outputs >= 4 * threads * GRID_WAVE else 1) * threads
-    return template, threads // WARP if template == "warp_reduce" else threads
+    return template, threads // WARP * WARP_REDUCE_ROWS if template == "warp_reduce" else threads
 
 
 def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
@@ -186,6 +190,11 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     if template == "elementwise":
         tile, _, warp, lane = sch.split(fused, [None, per_tile // threads, warps, WARP])
         holder = lane
+    elif template == "warp_reduce" and per_tile > warps:
+        tile, warp, _ = sch.split(fused, [None, warps, per_tile // warps])
+        r = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
+        _, lane = sch.split(r, [None, WARP])
+        holder = warp
     elif template == "warp_reduce":
         tile, warp = sch.split(fused, [None, warps])
         r = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]

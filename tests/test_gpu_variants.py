@@ -2,11 +2,13 @@
 its bundles are named after their base so that a GPU run times both."""
 
 import contextlib
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
+import souffle
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.runtime.emulated import kernel_signature
@@ -99,6 +101,29 @@ def test_tc_depth_128_stages_128_terms_per_tensor_core_chunk():
     base, deeper = _gemm_stage("fp16"), _gemm_stage("fp16", "tc-depth-128")
     assert (base.tensor_core_tile.depth, deeper.tensor_core_tile.depth) == (64, 128)
     assert _gemm_stage("fp16").tensor_core_tile.depth == 64
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
+def test_two_rows_per_warp_halves_the_lstm_steps_tiles_and_keeps_its_outputs():
+    """Tiny LSTM's wavefront step: 24 tiles of 8 gates (4 cell updates) by default, 12 of 16 with
+    the variant, each warp reducing two gates one after the other; the emulated threads still
+    match PyTorch."""
+    import numpy as np
+
+    def step(staged):
+        (stage,) = [s for s in staged.stages() if s.schedule.template == "warp_reduce"]
+        return stage.schedule.n_tiles, stage.schedule.per_tile
+
+    graph = models.build("lstm", "tiny")
+    assert step(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == (24, 4)
+    with gpu_variants.applied("two-rows-per-warp"):
+        assert step(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == (12, 8)
+        model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
+    inputs = models.make_inputs("lstm", "tiny")
+    expected = models.reference("lstm", "tiny", graph.weights)(inputs)
+    for output, reference in zip(model.schedule("descending", None, seed=4).run(inputs), expected):
+        np.testing.assert_allclose(output, reference, rtol=1e-5, atol=1e-5)
+    assert step(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == (24, 4)
 
 
 def test_occupancy_turns_the_latency_models_occupancy_term_on_for_the_compile():
