@@ -190,13 +190,8 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     if template == "elementwise":
         tile, _, warp, lane = sch.split(fused, [None, per_tile // threads, warps, WARP])
         holder = lane
-    elif template == "warp_reduce" and per_tile > warps:
-        tile, warp, _ = sch.split(fused, [None, warps, per_tile // warps])
-        r = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
-        _, lane = sch.split(r, [None, WARP])
-        holder = warp
-    elif template == "warp_reduce":
-        tile, warp = sch.split(fused, [None, warps])
+    elif template == "warp_reduce":  # each warp's outputs (WARP_REDUCE_ROWS) one after the other
+        tile, warp, *_ = sch.split(fused, [None, warps] + ([per_tile // warps] if per_tile > warps else []))
         r = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
         _, lane = sch.split(r, [None, WARP])
         holder = warp
