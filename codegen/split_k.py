@@ -30,8 +30,8 @@ import dataclasses
 import math
 
 from souffle.graph import Graph, Op, Scan
-from souffle.ops.common import int_pair
 from souffle.ops.nn import is_pointwise_gemm
+from souffle.ops.registry import full_attrs, get_rule
 
 TILE = 64  # the output tile side of the matmul and smallest tensor-core schedules
 BLOCKS_PER_SM = (1, 2)  # the residencies a split is chosen for (codegen.schedule.GRID_WAVE: 2)
@@ -39,7 +39,6 @@ BLOCKS_PER_SM = (1, 2)  # the residencies a split is chosen for (codegen.schedul
 # tile's prologue and its partial sums (written and read once) stay small against its operands.
 MIN_CHUNK = 512
 MIN_GAIN = 0.2  # the share of a GEMM's rounds of tiles a split must save
-WINDOW_DEFAULTS = (("stride", 1), ("padding", 0), ("dilation", 1))  # conv2d's, each also its least value
 
 
 def split_k(graph: Graph, device) -> tuple[Graph, list[str]]:
@@ -81,11 +80,9 @@ def gemm_of(graph: Graph, op: Op) -> tuple[int, int, int] | None:
     x, w = graph.tensors[op.inputs[0]], graph.tensors[op.inputs[1]]
     if op.kind == "dense":
         return math.prod(x.shape[:-1]), w.shape[0], w.shape[1]
-    if op.kind == "conv2d":
-        windows = (int_pair(op.attrs.get(key, default), key, default) for key, default in WINDOW_DEFAULTS)
-        if is_pointwise_gemm(w.shape, *windows, op.attrs.get("groups", 1)):
-            batch, channels, height, width = x.shape
-            return batch * height * width, w.shape[0], channels
+    if is_pointwise_gemm(w.shape, full_attrs(get_rule("conv2d"), op.attrs, "op conv2d")):
+        batch, channels, height, width = x.shape
+        return batch * height * width, w.shape[0], channels
     return None
 
 

@@ -63,10 +63,14 @@ def _dense(specs, attrs):
     if len(specs) == 3 and specs[2].shape != (w.shape[0],):
         fail(f"bias must have shape [{w.shape[0]}], got {list(specs[2].shape)}")
     require_same_dtype(specs)
-    parts = attrs["split_k"]
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or w.shape[1] % parts:
-        fail(f"split_k must be a positive integer dividing in_features {w.shape[1]}, got {parts!r}")
+    _require_split(attrs["split_k"], w.shape[1], "in_features")
     return [(x.shape[:-1] + (w.shape[0],), x.dtype)]
+
+
+def _require_split(parts, reduction: int, what: str) -> None:
+    """``split_k`` is a positive integer dividing the reduction (``what``, of ``reduction`` terms)."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or reduction % parts:
+        fail(f"split_k must be a positive integer dividing {what} {reduction}, got {parts!r}")
 
 
 @register_op("dense", infer=_dense, n_inputs=(2, 3), attrs={"split_k": 1})
@@ -97,9 +101,16 @@ def _split_k_dense(x: te.Tensor, w: te.Tensor, bias: te.Tensor | None, parts: in
         (parts, m, n),
         lambda p, i, j: te.sum(x[i, p * chunk + r].astype(accumulator) * w[j, p * chunk + r].astype(accumulator), axis=r),
         name="T_matmul_NT_part", tag="dense")
-    total = te.compute((m, n), lambda i, j: functools.reduce(operator.add, (partial[p, i, j] for p in range(parts))),
-                       name="T_matmul_NT_sum")
+    total = _sum_of_parts(partial, "T_matmul_NT_sum")
     return total if bias is None else topi.add(total, bias.astype(accumulator))
+
+
+def _sum_of_parts(partial: te.Tensor, name: str) -> te.Tensor:
+    """The partial products ``[parts, ...]`` of a split GEMM added up over their first axis, as
+    one expression per element (no reduction: vertical inlining folds it into its consumer)."""
+    parts = int(partial.shape[0])
+    return te.compute(shape_of(partial)[1:],
+                      lambda *i: functools.reduce(operator.add, (partial[(p, *i)] for p in range(parts))), name=name)
 
 
 @export_rule("dense")
@@ -249,20 +260,20 @@ def _conv2d(specs, attrs):
         fail(f"bias must have shape [{o}], got {list(specs[2].shape)}")
     out_h = _window_count(h, r, stride[0], padding[0], dilation[0])
     out_w = _window_count(wd, s, stride[1], padding[1], dilation[1])
-    parts = attrs["split_k"]
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or c % parts:
-        fail(f"split_k must be a positive integer dividing the input channels {c}, got {parts!r}")
-    if parts > 1 and not is_pointwise_gemm(w.shape, stride, padding, dilation, groups):
+    _require_split(attrs["split_k"], c, "the input channels")
+    if attrs["split_k"] > 1 and not is_pointwise_gemm(w.shape, attrs):
         fail(f"split_k applies to a 1x1, stride-1, unpadded, ungrouped convolution (a GEMM over the channels); "
              f"this one has a {r}x{s} kernel, stride {list(stride)}, padding {list(padding)}, dilation "
              f"{list(dilation)} and {groups} groups")
     return [((n, o, out_h, out_w), x.dtype)]
 
 
-def is_pointwise_gemm(weight_shape, stride, padding, dilation, groups) -> bool:
-    """Whether a convolution is a GEMM over its input channels as it stands: a 1x1 kernel at
-    stride 1, unpadded and ungrouped (each output pixel one row, each output channel one column)."""
-    return (tuple(weight_shape[2:]) == (1, 1) and groups == 1
+def is_pointwise_gemm(weight_shape, attrs) -> bool:
+    """Whether a convolution (its weight's shape, its attributes with their defaults) is a GEMM
+    over its input channels as it stands: a 1x1 kernel at stride 1, unpadded and ungrouped (each
+    output pixel one row, each output channel one column)."""
+    _, stride, padding, dilation = _window_attrs(attrs)
+    return (tuple(weight_shape[2:]) == (1, 1) and attrs["groups"] == 1
             and all(tuple(v) == (1, 1) for v in (stride, dilation)) and tuple(padding) == (0, 0))
 
 
@@ -304,9 +315,7 @@ def _split_k_pointwise(x: te.Tensor, w: te.Tensor, parts: int, accumulator: str)
         lambda p, n, o, i, j: te.sum(x[n, p * chunk + r, i, j].astype(accumulator)
                                      * w[o, p * chunk + r, 0, 0].astype(accumulator), axis=r),
         name="conv2d_part", tag="conv2d_nchw")
-    return te.compute((batch, out_channels, height, width),
-                      lambda *i: functools.reduce(operator.add, (partial[(p, *i)] for p in range(parts))),
-                      name="conv2d_sum")
+    return _sum_of_parts(partial, "conv2d_sum")
 
 
 @export_rule("conv2d")
