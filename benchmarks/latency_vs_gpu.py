@@ -137,8 +137,7 @@ def segment_summary(rows: list[dict]) -> dict:
     y = np.array([s["measured_us"] for s in segments])
     (factor, fixed_us), _ = nnls(a, y)
     return {"segments": len(segments),
-            "by_template": {t: {"segments": len(v), "median": statistics.median(v), "p10": sorted(v)[len(v) // 10],
-                                "p90": sorted(v)[-1 - len(v) // 10]} for t, v in sorted(by_template.items())},
+            "by_template": {t: {"segments": len(v), **spread(v)} for t, v in sorted(by_template.items())},
             "fit": {"estimate_factor": float(factor), "fixed_us_per_segment": float(fixed_us)}}
 
 
@@ -186,10 +185,18 @@ def fit_parts(rows: list[dict]) -> dict:
             "fitted_ratio_max": float(ratios.max())}
 
 
+def spread(values: list[float]) -> dict:
+    """Median and the 10th and 90th percentiles (the nearest ranks) of ``values``."""
+    ordered = sorted(values)
+    return {"median": statistics.median(ordered), "p10": ordered[len(ordered) // 10],
+            "p90": ordered[-1 - len(ordered) // 10]}
+
+
 def summary(rows: list[dict]) -> dict:
     ratios = sorted(r["measured_ms"] / r["estimate_ms"] for r in rows)
-    return {"kernels": len(rows), "ratio_median": statistics.median(ratios), "ratio_min": ratios[0],
-            "ratio_max": ratios[-1], "ratio_p10": ratios[len(ratios) // 10], "ratio_p90": ratios[-1 - len(ratios) // 10],
+    ratio = spread(ratios)
+    return {"kernels": len(rows), "ratio_median": ratio["median"], "ratio_min": ratios[0],
+            "ratio_max": ratios[-1], "ratio_p10": ratio["p10"], "ratio_p90": ratio["p90"],
             "order": order_agreement(rows), "fit": fit_parts(rows), "segments": segment_summary(rows)}
 
 
