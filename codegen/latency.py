@@ -270,10 +270,13 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
             result_sectors = _store_sectors(reduction, lanes)
             on_chip_steps = 0
         else:  # warp_reduce: each warp's outputs one after the other, its lanes along the reduction, then shuffles
-            rows = schedule.per_tile // warps
-            results = min(schedule.per_tile, outputs)
+            # per_tile counts the stage's outputs: an epilogue's (softmax's exp: a row of 384 per
+            # reduced output) when it has one, so the reductions per tile scale back from it
+            reduced = schedule.per_tile * outputs // schedule.outputs
+            rows = max(1, reduced // warps)
+            results = min(reduced, outputs)
             active = WARP * min(warps, outputs)
-            lanes = _reduction_lanes(reduction, min(tile * schedule.per_tile, outputs - 1), terms)
+            lanes = _reduction_lanes(reduction, min(tile * reduced, outputs - 1), terms)
             per_lane = -(-terms // WARP)
             instructions = results * per_lane
             steps = rows * -(-per_lane // UNROLLED_STEPS)

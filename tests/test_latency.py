@@ -246,3 +246,22 @@ def test_warps_to_saturate_scales_memory_throughput_by_the_warps_resident(dense_
     for part in ("l1", "l2", "dram"):
         assert on[one_block][part] == pytest.approx(4 * off[one_block][part])
     assert (on[one_block]["latency"], on[one_block]["fp"]) == (off[one_block]["latency"], off[one_block]["fp"])
+
+
+def test_a_reduction_with_a_row_epilogue_counts_one_row_per_warp():
+    """softmax's max with exp as its epilogue: a tile of 8 warps holds 8 x 384 exp outputs but
+    reduces 8 rows, one per warp; each lane loads 384 / 32 terms a row (a regression: the model
+    once read the epilogue's 384 outputs per warp as 384 rows, and paper BERT fp16's estimate went
+    from 0.78 to 7.8 ms)."""
+    from codegen.latency import SHUFFLE_ROUNDS, UNROLLED_STEPS
+
+    b = GraphBuilder("softmax")
+    rows, columns = 512, 384
+    graph = b.build(b.op("softmax", b.input("x", (rows, columns)), name="sm"))
+    works = stage_works(run_passes(graph, "cuda", stop="plan_arena", device="h100", opt_level=4).ir, H100)
+    for work in works:
+        assert work.template == "warp_reduce" and work.n_tiles == rows // 8
+        assert work.memory_steps == -(-(columns // 32) // UNROLLED_STEPS) + 1  # the row, then the epilogue's loads
+        assert work.on_chip_steps == SHUFFLE_ROUNDS
+        reduced = next(a for a in work.accesses if a.kind == "store" and a.space == "shared")
+        assert reduced.per_tile == 8
