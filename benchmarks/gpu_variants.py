@@ -74,6 +74,14 @@ def _deep_tensor_core_tiles() -> list:
     return [mock.patch.object(schedule, "TILES", tuple(dataclasses.replace(t, k_fragments=8) for t in schedule.TILES))]
 
 
+def _unpipelined_tensor_core_tiles() -> list:
+    import dataclasses
+
+    from codegen import schedule
+
+    return [mock.patch.object(schedule, "TILES", tuple(dataclasses.replace(t, pipelined=False) for t in schedule.TILES))]
+
+
 def _two_rows_per_warp() -> list:
     from codegen import schedule
 
@@ -116,6 +124,12 @@ VARIANTS = {
         "memory): paper BERT fp16's 128 x 128 tiles took 1.8 to 1.9 us per chunk of 64 on the H100; "
         "does half as many chunks pay?",
         _deep_tensor_core_tiles),
+    "no-pipeline": Variant(
+        "tensor-core tiles without the software pipeline (codegen.tensor_core): each chunk's slices loaded "
+        "from global memory, then computed on, one after the other, as in the H100's second run, where a "
+        "chunk of paper BERT fp16's 128 x 128 tiles took 1.8-1.9 us, about 4x its compute; how much of that "
+        "wait does loading the next chunk into registers during this one's mma_syncs hide?",
+        _unpipelined_tensor_core_tiles),
     "two-rows-per-warp": Variant(
         "warp_reduce tiles of two outputs per warp, reduced one after the other (16 per tile, not 8): paper "
         "LSTM's wavefront step is 1280 tiles of 8 gates, two rounds of its 660 blocks, and took 8.3 us on the "

@@ -470,7 +470,7 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS) -> list[tupl
     found = []
     for tile in TILES:
         scheduled = tensor_core_schedule(func, tile, threads)
-        stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads)
+        stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads, tile.pipelined)
         if stage is not None:
             found.append((stage[0], dataclasses.replace(stage[1], tensor_core_tile=tile)))
     return found
@@ -484,7 +484,8 @@ def _gemm_rules_apply(func: tirx.PrimFunc) -> bool:
     return _product(int(d) for d in func.params[-1].shape) >= MATMUL_MIN_OUTPUTS and not _reads_conditionally(func)
 
 
-def _stitchable(scheduled: s_tir.Schedule, template: str, threads: int) -> tuple[tirx.PrimFunc, StageSchedule] | None:
+def _stitchable(scheduled: s_tir.Schedule, template: str, threads: int,
+                pipelined: bool = False) -> tuple[tirx.PrimFunc, StageSchedule] | None:
     """A dlight schedule made a stage of the persistent kernel: compacted, its block indices
     folded into one tile loop, its tiles read off as an isl relation; None where they cannot be
     (an index isl cannot represent) or would be mostly idle."""
@@ -498,7 +499,7 @@ def _stitchable(scheduled: s_tir.Schedule, template: str, threads: int) -> tuple
     n_tiles = _product(_constant(loop.extent) for loop in nest)
     if outputs < MATMUL_MIN_USE * n_tiles * _product(box):
         return None  # mostly idle threads (a GEMV's one row in tiles of 128)
-    compacted = _compacted(func)
+    compacted = _compacted(func, pipelined)
     folded = _fold_block_indices(compacted, _block_index_nest(compacted))
     shared = sum(n * tvm.runtime.DataType(dtype).bits // 8 for dtype, n in pooled_shared(folded).items())
     schedule = StageSchedule(template, n_tiles, _product(box), threads, outputs, shared,
@@ -506,7 +507,7 @@ def _stitchable(scheduled: s_tir.Schedule, template: str, threads: int) -> tuple
     return folded, schedule
 
 
-def _compacted(func: tirx.PrimFunc) -> tirx.PrimFunc:
+def _compacted(func: tirx.PrimFunc, pipelined: bool = False) -> tirx.PrimFunc:
     """``func`` with each buffer allocated where it is used, at the size one use touches: the
     operand slices in shared memory are one chunk of one tile, not the whole operand. These
     are TVM's own passes, run on the stage before it is stitched: after stitching, TVM hoists
@@ -515,10 +516,59 @@ def _compacted(func: tirx.PrimFunc) -> tirx.PrimFunc:
     kernel pools them instead (``codegen.tiled.pool_shared``). Compacted before the block
     indices are folded into the tile, each thread's accumulators are indexed by its own loops
     alone (folded first, their offsets kept a ``max`` of the tile's digits, and nvcc put the
-    array in local memory)."""
-    passes = [s_tir.transform.PlanAndUpdateBufferAllocationLocation(), s_tir.transform.ConvertBlocksToOpaque(),
-              s_tir.transform.CompactBufferAllocation()]
+    array in local memory).
+
+    A ``pipelined`` stage (``codegen.tensor_core``) also gets its software pipeline here, from
+    TVM's passes in the order its own lowering runs them (its registers staging the next chunk,
+    then the loop's prologue and epilogue): run on the kernel, they would not find the slices,
+    which are the kernel pool's by then."""
+    passes = [s_tir.transform.PlanAndUpdateBufferAllocationLocation(), s_tir.transform.ConvertBlocksToOpaque()]
+    if pipelined:
+        passes += [s_tir.transform.LiftThreadBinding(), s_tir.transform.ManifestSharedMemoryLocalStage()]
+    passes.append(s_tir.transform.CompactBufferAllocation())
+    if pipelined:
+        passes += [s_tir.transform.LowerMatchBuffer(), s_tir.transform.InjectSoftwarePipeline(),
+                   _settle_pipelined_buffers]
     return tvm.transform.Sequential(passes)(tvm.IRModule({"main": func}))["main"]
+
+
+@tirx.transform.prim_func_pass(opt_level=0, name="SettlePipelinedBuffers")
+def _settle_pipelined_buffers(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
+    """A pipelined stage with its wmma fragments allocated once, by statements (``AllocBuffer``)
+    at the top of the stage's outermost block, not by the blocks of the pipeline's prologue, body
+    and epilogue, which each allocate them. The kernel's lowering compacts its buffers again
+    (TVM's ``CompactBufferAllocation``, which TVM itself runs once, before the pipeline): by
+    blocks, it would find three definitions of each fragment, and would recompute layouts that
+    ``LowerMatchBuffer`` has already written into the wmma calls' fragment indices."""
+    fragments: list[tirx.Buffer] = []
+
+    def settle(stmt, depth: int):
+        if isinstance(stmt, s_tir.SBlockRealize):
+            return type(stmt)(stmt.iter_values, stmt.predicate, settle(stmt.block, depth))
+        if isinstance(stmt, s_tir.SBlock):
+            start = len(fragments)
+            for buffer in stmt.alloc_buffers:
+                if buffer.scope().startswith("wmma.") and not any(buffer.same_as(b) for b in fragments):
+                    fragments.append(buffer)
+            body = settle(stmt.body, depth + 1)
+            if depth == 1 and len(fragments) > start:
+                body = tirx.SeqStmt([tirx.AllocBuffer(b) for b in fragments[start:]] + [body])
+            return type(stmt)(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
+                              [b for b in stmt.alloc_buffers if not b.scope().startswith("wmma.")],
+                              stmt.match_buffers, stmt.annotations)
+        if isinstance(stmt, tirx.SeqStmt):
+            return tirx.SeqStmt([settle(child, depth) for child in stmt.seq])
+        if isinstance(stmt, tirx.For):
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, settle(stmt.body, depth),
+                            stmt.thread_binding, stmt.annotations)
+        if isinstance(stmt, tirx.IfThenElse):
+            return tirx.IfThenElse(stmt.condition, settle(stmt.then_case, depth),
+                                   None if stmt.else_case is None else settle(stmt.else_case, depth))
+        if isinstance(stmt, tirx.AttrStmt):
+            return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, settle(stmt.body, depth))
+        return stmt
+
+    return func.with_body(settle(func.body, 0))
 
 
 def buffer_elements(buffer: tirx.Buffer) -> int:

@@ -103,6 +103,13 @@ def test_tc_depth_128_stages_128_terms_per_tensor_core_chunk():
     assert _gemm_stage("fp16").tensor_core_tile.depth == 64
 
 
+def test_no_pipeline_gives_the_tensor_core_tiles_no_software_pipeline():
+    base, plain = _gemm_stage("fp16"), _gemm_stage("fp16", "no-pipeline")
+    assert base.tensor_core_tile.pipelined and not plain.tensor_core_tile.pipelined
+    assert (base.shared_bytes, base.box) == (plain.shared_bytes, plain.box)  # one copy of each slice either way
+    assert _gemm_stage("fp16").tensor_core_tile.pipelined
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
 def test_two_rows_per_warp_halves_the_lstm_steps_tiles_and_keeps_its_outputs():
     """Tiny LSTM's wavefront step: 24 tiles of 8 gates (4 cell updates) by default, 12 of 16 with

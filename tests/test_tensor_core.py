@@ -69,7 +69,7 @@ def test_a_dense_gets_one_candidate_per_tile_that_fits_it():
         text = func.script()
         for intrinsic in ("tvm_fill_fragment", "tvm_load_matrix_sync", "tvm_mma_sync", "tvm_store_matrix_sync"):
             assert f"T.{intrinsic}(" in text, intrinsic  # TVM's wmma intrinsics, tensorized
-        assert text.count("blockIdx") == 1 and "wmma.accumulator" in text
+        assert text.count('thread="blockIdx') == 1 and "wmma.accumulator" in text  # one loop of tiles
     _, small = stages[-1]
     # the 64 x 64 tile: its float32 accumulators (staged through shared memory to the output), and
     # both operands' 64 x 64 slices, rows padded to 72 halves, the second on 32 bytes (wmma's alignment)
@@ -105,21 +105,25 @@ def _kernel(graph) -> mutants.Kernel:
 
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
 def test_the_validator_reads_wmma_tiles_and_catches_a_missing_syncthreads():
-    """The validator accepts the tensor-core kernel and refuses it without the __syncthreads that
-    order the slices' copies before the fragments' loads, the loads before the next chunk's
-    copies, and the accumulators' stores (wmma, lane by lane) before the block reads them back.
-    The one before the accumulators' store guards nothing here: TVM puts it there because it
-    pools the slices and the accumulators in the same bytes, where the kernel gives the float32
-    accumulators their own region; dropped, no thread touches a byte another did unordered."""
-    graph, _, _ = _relu_dense(128, 128, 128)
+    """The validator accepts the pipelined tensor-core kernel (4 chunks: a prologue, the pipeline's
+    loop twice, its epilogue) and refuses it without each __syncthreads that orders a chunk's
+    slices stored (from the registers that loaded them) before the fragments' loads, or the loads
+    before the next stores into the same copy, and the accumulators' stores (wmma, lane by lane)
+    before the block reads them back. Two guard nothing here, so dropping either is accepted:
+    the one before the first chunk's stores (the previous tile last read that copy before the
+    accumulators' barriers) and the one before the accumulators' store (TVM puts it there because
+    it pools the slices and the accumulators in the same bytes, where the kernel gives the
+    float32 accumulators their own region)."""
+    graph, _, _ = _relu_dense(128, 128, 256)
     kernel = _kernel(graph)
     assert mutants.validate(kernel).violations == ()
     dropped = mutants.sites(kernel)["drop_syncthreads"]
-    assert len(dropped) == 4
-    caught = {what: bool(mutants.validate(kernel, make()).violations) for what, make in dropped}
-    assert sorted(caught.values()) == [False, True, True, True], caught
-    violations = mutants.validate(kernel, dropped[-1][1]()).violations
-    assert any("T_matmul_NT_reindex_shared.dyn" in v for v in violations), violations  # the accumulators read back
+    assert len(dropped) == 6
+    violations = [mutants.validate(kernel, make()).violations for _, make in dropped]
+    assert [bool(v) for v in violations] == [False, True, True, True, False, True], dropped
+    for caught in violations[1:4]:  # the pipeline's: the operand slices
+        assert any("compute_in_reindex_shared.dyn" in v for v in caught), caught
+    assert any("T_matmul_NT_reindex_shared.dyn" in v for v in violations[-1]), violations[-1]  # the accumulators
 
 
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
@@ -147,7 +151,7 @@ def test_a_wmma_operation_on_half_a_warp_is_caught():
 @needs_gxx
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
 @pytest.mark.parametrize("precision", NARROW)
-@pytest.mark.parametrize("m, n, k", [(128, 128, 128), (64, 256, 128), (256, 192, 128)])  # each tile first
+@pytest.mark.parametrize("m, n, k", [(128, 128, 320), (64, 256, 128), (256, 192, 128)])  # each tile first; 5 chunks: 3 in the pipeline's loop
 def test_tensor_core_stages_match_numpy_on_emulated_threads(m, n, k, precision):
     graph, inputs, expected = _relu_dense(m, n, k, NARROW[precision])
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
