@@ -74,12 +74,13 @@ def _deep_tensor_core_tiles() -> list:
     return [mock.patch.object(schedule, "TILES", tuple(dataclasses.replace(t, k_fragments=8) for t in schedule.TILES))]
 
 
-def _unpipelined_tensor_core_tiles() -> list:
+def _unpipelined_gemms() -> list:
     import dataclasses
 
     from codegen import schedule
 
-    return [mock.patch.object(schedule, "TILES", tuple(dataclasses.replace(t, pipelined=False) for t in schedule.TILES))]
+    return [mock.patch.object(schedule, "TILES", tuple(dataclasses.replace(t, pipelined=False) for t in schedule.TILES)),
+            mock.patch.object(schedule, "MATMUL_PIPELINED", False)]
 
 
 def _two_rows_per_warp() -> list:
@@ -125,11 +126,12 @@ VARIANTS = {
         "does half as many chunks pay?",
         _deep_tensor_core_tiles),
     "no-pipeline": Variant(
-        "tensor-core tiles without the software pipeline (codegen.tensor_core): each chunk's slices loaded "
-        "from global memory, then computed on, one after the other, as in the H100's second run, where a "
-        "chunk of paper BERT fp16's 128 x 128 tiles took 1.8-1.9 us, about 4x its compute; how much of that "
-        "wait does loading the next chunk into registers during this one's mma_syncs hide?",
-        _unpipelined_tensor_core_tiles),
+        "GEMM stages (tensor-core tiles and dlight's SIMT matmul) without the software pipeline: each chunk's "
+        "slices loaded from global memory, then computed on, one after the other, as in the H100's second run, "
+        "where a chunk of paper BERT fp16's 128 x 128 tiles took 1.8-1.9 us (about 4x its compute) and one of "
+        "ResNeXt's 1x1 convolutions 1.7 us (5x); how much of that wait does loading the next chunk into "
+        "registers during this one's arithmetic hide?",
+        _unpipelined_gemms),
     "two-rows-per-warp": Variant(
         "warp_reduce tiles of two outputs per warp, reduced one after the other (16 per tile, not 8): paper "
         "LSTM's wavefront step is 1280 tiles of 8 gates, two rounds of its 660 blocks, and took 8.3 us on the "

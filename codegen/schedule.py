@@ -56,6 +56,7 @@ import islpy as isl
 import tvm
 from tvm import s_tir, te, tirx
 from tvm.s_tir import dlight
+from tvm.s_tir.dlight.analysis import get_root_block
 
 from analysis.dependence import IslWriter, NotAffine
 from codegen.stitch import align
@@ -74,6 +75,7 @@ WARP_REDUCE_ROWS = 1
 # threads, 64 x 64) is scheduled by ``matmul_stage``; smaller ones by ``thread_reduce``.
 MATMUL_MIN_OUTPUTS = 64 * 64
 MATMUL_MIN_USE = 0.5  # and its tiles must be at least half full
+MATMUL_PIPELINED = True  # the next chunk's slices loaded into registers during this one's FMAs
 # dlight's CUDA matmul configuration: each thread accumulates MATMUL_VTHREADS x MATMUL_MICRO
 # outputs (rows along threadIdx.x, interleaved by virtual threads: lane i holds rows i and i + 32;
 # columns along threadIdx.y), a tile of 64 x 64, the reduction staged through shared memory
@@ -450,7 +452,8 @@ def matmul_stage(func: tirx.PrimFunc, threads: int = THREADS) -> tuple[tirx.Prim
     dlight binds its tiles to ``blockIdx.y`` and ``blockIdx.x``; they are folded into one
     ``blockIdx.x`` loop, the tile loop the persistent kernel replaces. Its tiles are boxes of the
     output, so the schedule carries each tile's elements as an isl relation read off the
-    scheduled function, which the barrier analysis uses instead of runs."""
+    scheduled function, which the barrier analysis uses instead of runs. With
+    ``MATMUL_PIPELINED`` the chunks of K are software pipelined (``_pipeline_slices``)."""
     if not _gemm_rules_apply(func):
         return None
     # The rule's SIMT form: its tensor-core form (float16 operands) binds its own block shape, 16
@@ -458,7 +461,30 @@ def matmul_stage(func: tirx.PrimFunc, threads: int = THREADS) -> tuple[tirx.Prim
     # form in the kernel's shape.
     func = func.with_attr("dlight.do_not_tensorize", True)
     scheduled = _KernelShapedMatmul(threads).apply(func, tvm.target.Target(_CUDA), False)
-    return None if scheduled is None else _stitchable(scheduled, "matmul", threads)
+    if scheduled is None:
+        return None
+    return _stitchable(scheduled, "matmul", threads, MATMUL_PIPELINED and _pipeline_slices(scheduled))
+
+
+def _pipeline_slices(sch: s_tir.Schedule) -> bool:
+    """dlight's SIMT matmul software pipelined as ``codegen.tensor_core`` pipelines the
+    tensor-core form: each thread loads its share of the next chunk's slices into registers
+    before the FMAs on this one, and stores them into the slices after. False (and ``sch``
+    unchanged) where the rule's loop over chunks is not the one expected: two slices' copies
+    and the product under it, more than one chunk."""
+    copies = [b for b in sch.get_child_blocks(get_root_block(sch)) if sch.get(b).name_hint.endswith("_shared")]
+    if len(copies) != 2:
+        return False
+    chunk = sch.get_loops(copies[0])[-5]  # above the copy's own four (warps, lanes, rounds, vector)
+    below = sch.get(chunk).body
+    if not (sch.get(sch.get_loops(copies[1])[-5]).same_as(sch.get(chunk)) and isinstance(below, tirx.SeqStmt)
+            and len(below.seq) == 3 and _constant(sch.get(chunk).extent) > 1):
+        return False
+    for copy in copies:
+        sch.annotate(copy, "tirx.manifest_shared_memory_local_stage", 1)
+    sch.annotate(chunk, "software_pipeline_order", [0, 3, 1, 4, 2])
+    sch.annotate(chunk, "software_pipeline_stage", [0, 0, 0, 0, 1])
+    return True
 
 
 def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS) -> list[tuple[tirx.PrimFunc, StageSchedule]]:
@@ -518,28 +544,30 @@ def _compacted(func: tirx.PrimFunc, pipelined: bool = False) -> tirx.PrimFunc:
     alone (folded first, their offsets kept a ``max`` of the tile's digits, and nvcc put the
     array in local memory).
 
-    A ``pipelined`` stage (``codegen.tensor_core``) also gets its software pipeline here, from
-    TVM's passes in the order its own lowering runs them (its registers staging the next chunk,
-    then the loop's prologue and epilogue): run on the kernel, they would not find the slices,
-    which are the kernel pool's by then."""
-    passes = [s_tir.transform.PlanAndUpdateBufferAllocationLocation(), s_tir.transform.ConvertBlocksToOpaque()]
+    A ``pipelined`` stage also gets its software pipeline here (its registers staging the next
+    chunk, then the loop's prologue and epilogue), from TVM's passes in the order its own lowering
+    runs them: run on the kernel, they would not find the slices, which are the kernel pool's by
+    then. The kernel's lowering compacts the stage again, which works once the slices are views
+    into the pool; on a pipelined stage alone, TVM's compaction divides by zero."""
+    transform = s_tir.transform
+    passes = [transform.PlanAndUpdateBufferAllocationLocation(), transform.ConvertBlocksToOpaque()]
     if pipelined:
-        passes += [s_tir.transform.LiftThreadBinding(), s_tir.transform.ManifestSharedMemoryLocalStage()]
-    passes.append(s_tir.transform.CompactBufferAllocation())
+        passes += [transform.LiftThreadBinding(), transform.ManifestSharedMemoryLocalStage()]
+    passes.append(transform.CompactBufferAllocation())
     if pipelined:
-        passes += [s_tir.transform.LowerMatchBuffer(), s_tir.transform.InjectSoftwarePipeline(),
-                   _settle_pipelined_buffers]
+        passes += [transform.LowerMatchBuffer(), transform.InjectSoftwarePipeline(), _settle_fragments]
     return tvm.transform.Sequential(passes)(tvm.IRModule({"main": func}))["main"]
 
 
-@tirx.transform.prim_func_pass(opt_level=0, name="SettlePipelinedBuffers")
-def _settle_pipelined_buffers(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
-    """A pipelined stage with its wmma fragments allocated once, by statements (``AllocBuffer``)
-    at the top of the stage's outermost block, not by the blocks of the pipeline's prologue, body
-    and epilogue, which each allocate them. The kernel's lowering compacts its buffers again
-    (TVM's ``CompactBufferAllocation``, which TVM itself runs once, before the pipeline): by
-    blocks, it would find three definitions of each fragment, and would recompute layouts that
-    ``LowerMatchBuffer`` has already written into the wmma calls' fragment indices."""
+@tirx.transform.prim_func_pass(opt_level=0, name="SettleFragments")
+def _settle_fragments(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
+    """A pipelined tensor-core stage with its wmma fragments allocated once, by statements
+    (``AllocBuffer``) at the top of the stage's outermost block, not by the blocks of the
+    pipeline's prologue, body and epilogue, which each allocate them. The kernel's lowering
+    compacts its buffers again (TVM's ``CompactBufferAllocation``, which TVM itself runs once,
+    before the pipeline): by blocks, it would find three definitions of each fragment, and would
+    recompute layouts that ``LowerMatchBuffer`` has already written into the wmma calls'
+    fragment indices."""
     fragments: list[tirx.Buffer] = []
 
     def settle(stmt, depth: int):

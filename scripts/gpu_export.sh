@@ -28,7 +28,7 @@ export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir"
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models bert resnext --variant split-k-256
 "${export[@]}" --configs paper --levels 4 --precisions fp32 --models bert resnext swin --variant k-chunk-32
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert swin --variant tc-depth-128
-"${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert swin resnext --variant no-pipeline
+"${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models bert swin resnext --variant no-pipeline
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models lstm --variant two-rows-per-warp
 "${export[@]}" --configs paper --levels 0 1 2 --models lstm bert resnext mmoe
 # the slowest to build come last, nvcc's cache or not: EfficientNet's and Swin's O0-O2 (hundreds of

@@ -73,11 +73,15 @@ def test_a_thread_reduction_sums_in_a_register(m, n, threads, monkeypatch):
 
 
 @pytest.mark.parametrize("m, n", [(384, 96), (200, 96)])
-def test_a_matmul_stage_sums_in_registers(m, n):
-    c, placeholders = _gemm(m, n, 40)
-    func, schedule = schedule_te(c, placeholders, True)
-    assert schedule.template == "matmul"
-    assert _accumulations({"main": func}) == []
+def test_a_matmul_stage_sums_in_registers(m, n, monkeypatch):
+    """In its kernel: a software-pipelined stage is lowered with its slices in the kernel's pool
+    (TVM's lowering refuses it alone, ``codegen.schedule._compacted``)."""
+    monkeypatch.setattr("codegen.stage.stage_seconds", lambda stage, device, traffic: stage.schedule.template != "matmul")
+    b = GraphBuilder("gemm")
+    graph = b.build(b.op("dense", b.input("x", (m, 40)), b.param("w", np.ones((n, 40), np.float32))))
+    plan = run_passes(graph, "cuda", stop="kernel_plan", opt_level=4).ir
+    assert [s.schedule.template for s in plan.staged.stages()] == ["matmul"]
+    assert _accumulations(plan.funcs) == []
 
 
 @pytest.mark.parametrize("threads", [32, 256])

@@ -39,8 +39,8 @@ def _dense(m: int, n: int, k: int, accumulator: str = "float32"):
 
 
 # Each stage is compiled alone here, outside the kernel's pool of shared memory, where TVM's
-# lowering cannot take a software-pipelined stage a second time (its CompactBufferAllocation
-# divides by zero): these stages are unpipelined. The pipelined ones, which the kernel runs, are
+# lowering cannot take a software-pipelined stage (its CompactBufferAllocation divides by zero;
+# codegen.schedule._compacted): these stages are unpipelined. The pipelined ones, which the kernel runs, are
 # checked through the kernel at bfloat16 in tests/test_tensor_core.py (emulated threads, each
 # tile) and tests/test_precision.py (paper BERT, no spills).
 UNPIPELINED = tuple(dataclasses.replace(tile, pipelined=False) for tile in TILES)

@@ -103,11 +103,16 @@ def test_tc_depth_128_stages_128_terms_per_tensor_core_chunk():
     assert _gemm_stage("fp16").tensor_core_tile.depth == 64
 
 
-def test_no_pipeline_gives_the_tensor_core_tiles_no_software_pipeline():
+def test_no_pipeline_gives_the_gemm_stages_no_software_pipeline():
     base, plain = _gemm_stage("fp16"), _gemm_stage("fp16", "no-pipeline")
     assert base.tensor_core_tile.pipelined and not plain.tensor_core_tile.pipelined
     assert (base.shared_bytes, base.box) == (plain.shared_bytes, plain.box)  # one copy of each slice either way
     assert _gemm_stage("fp16").tensor_core_tile.pipelined
+    from codegen import schedule
+
+    with gpu_variants.applied("no-pipeline"):
+        assert not schedule.MATMUL_PIPELINED
+    assert schedule.MATMUL_PIPELINED
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")

@@ -8,6 +8,7 @@ validator (with mutants), on emulated CUDA threads against PyTorch, and on paper
 from __future__ import annotations
 
 import importlib
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from tvm import te, topi
 
+import codegen.schedule
 import souffle
 from codegen.schedule import POOL_ALIGN_BYTES, matmul_stage
 from souffle import models
@@ -138,7 +140,10 @@ def test_dropping_a_syncthreads_around_the_pool_is_caught():
                  for name, func in mutants.device_functions(mutants.device_module(plan.funcs, "sm_90")).items()]
     assert mutants.validate(kernel).violations == ()
     dropped = mutants.sites(kernel)["drop_syncthreads"]
-    assert len(dropped) == 4  # two per stage: before its slices are written, and before they are read
+    # the first GEMM (K = 16, one chunk): before its slices are written and before they are read;
+    # the second (K = 48, three chunks, software pipelined): also between the FMAs on a chunk and
+    # the stores of the next, and after those stores
+    assert len(dropped) == 6
     for what, make in dropped:
         assert mutants.validate(kernel, make()).violations, f"dropping {what} was not caught"
 
@@ -180,6 +185,45 @@ def test_matmul_stages_match_pytorch_on_emulated_threads(level):
         for order in ("ascending", "descending"):
             for output, reference in zip(model.schedule(order, grid, seed=5).run(inputs), expected):
                 np.testing.assert_allclose(output, reference, rtol=rtol, atol=atol, err_msg=f"O{level} {order} {grid}")
+
+
+def _relu_dense_kernel_source(pipelined: bool, monkeypatch) -> str:
+    monkeypatch.setattr(codegen.schedule, "MATMUL_PIPELINED", pipelined)
+    b = GraphBuilder("dense")
+    graph = b.build(b.op("relu", b.op("dense", b.input("x", (256, 128)), b.param("w", np.ones((256, 128), np.float32)))))
+    return run_passes(graph, "cuda", stop="cuda_source", opt_level=4).ir.text
+
+
+def test_a_matmul_stage_loads_the_next_chunk_into_registers_during_this_ones_fmas(monkeypatch):
+    """Software pipelined (``codegen.schedule._pipeline_slices``): each thread loads a float4 of
+    each operand's next 16-term chunk into a register before the FMAs on this chunk, in the loop
+    over chunks and once before it (the first chunk); unpipelined, it copies global to shared
+    memory directly."""
+    staged = re.compile(r"(\w+)_shared_local_ptr\[0\] = \*\(float4\*\)\((\w+) \+")
+    pipelined = _relu_dense_kernel_source(True, monkeypatch)
+    assert sorted(m.group(1) for m in staged.finditer(pipelined)) == ["w_in_reindex", "w_in_reindex",
+                                                                     "x_in_reindex", "x_in_reindex"]
+    loop = pipelined[pipelined.index("for (int ax3_0 = 0; ax3_0 < 7; ++ax3_0)"):]  # 8 chunks: the loop has 7
+    fmas = loop.index("T_matmul_NT_reindex_local_ptr")  # the accumulators, updated from the slices
+    assert loop.index("_shared_local_ptr[0] = *(float4*)") < loop.index("__syncthreads()") < fmas
+    assert loop.index("= x_in_reindex_shared_local_ptr[0]", fmas) > fmas  # stored to the slice after
+    plain = _relu_dense_kernel_source(False, monkeypatch)
+    assert not staged.search(plain) and "_shared_local_ptr" not in plain
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
+def test_a_pipelined_matmul_of_eight_chunks_matches_float64_on_emulated_threads():
+    rng = np.random.default_rng(3)
+    b = GraphBuilder("dense")
+    w = (rng.standard_normal((192, 128)) * 0.1).astype(np.float32)
+    graph = b.build(b.op("relu", b.op("dense", b.input("x", (256, 128)), b.param("w", w))))
+    inputs = {"x": rng.standard_normal((256, 128)).astype(np.float32)}
+    expected = np.maximum(inputs["x"].astype(np.float64) @ w.T.astype(np.float64), 0)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
+    assert [s.schedule.template for s in model.kernel_plan.staged.stages()] == ["matmul"]
+    for order in ("ascending", "descending"):
+        (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
+        np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-5, err_msg=order)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
