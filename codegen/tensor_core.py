@@ -14,10 +14,6 @@ fragments a ``TensorCoreTile`` says, for ``threads / 32`` warps:
 - the accumulators go through shared memory (a tile of float32, rows not padded: dlight's
   padding of it does not survive its ``reverse_compute_at``) to the output, where the stage's
   epilogue (the rounding to float16 or bfloat16, a bias, an activation) is computed on the way out.
-
-TVM registers wmma intrinsics for float16 operands only; bfloat16's (m16n16k16, sm_80 and up) are
-registered here from TVM's own generators (``wmma_intrinsics``).
-
 - software pipelined (``TensorCoreTile.pipelined``, as dlight does it): each thread loads its share
   of the next chunk's slices from global memory into registers before the warps compute on this
   chunk, and stores them into the slices once the block has synchronized after the ``mma_sync``s,
@@ -25,11 +21,14 @@ registered here from TVM's own generators (``wmma_intrinsics``).
   ``ManifestSharedMemoryLocalStage`` and ``InjectSoftwarePipeline``, run on the stage before it
   is stitched: ``codegen.schedule._compacted``). One copy of each slice suffices, as TVM finds:
   in each iteration the fragments' loads of this chunk come before the stores of the next. The
-  cost is 2 x ``rows x depth`` / threads registers per thread (32 for a 128 x 128 tile); the
-  H100 took 1.8-1.9 us per chunk of paper BERT fp16's 128 x 128 tiles unpipelined, about 4x
-  their compute. Plain loads and stores: TVM's asynchronous copies (``cp.async``, which dlight
-  does not ask for either) are left out, as the thread-level validator and the emulator do not
-  model them.
+  cost is (``rows`` + ``columns``) x ``depth`` / (2 x threads) registers per thread (32 for a
+  128 x 128 tile); the H100 took 1.8-1.9 us per chunk of paper BERT fp16's 128 x 128 tiles
+  unpipelined, about 4x their compute. Plain loads and stores: TVM's asynchronous copies
+  (``cp.async``, which dlight does not ask for either) are left out, as the thread-level
+  validator and the emulator do not model them.
+
+TVM registers wmma intrinsics for float16 operands only; bfloat16's (m16n16k16, sm_80 and up) are
+registered here from TVM's own generators (``wmma_intrinsics``).
 
 Left out: dlight's pipeline of the fragments' loads within a chunk (a third stage, two copies of
 every fragment: registers the 128 x 128 tiles do not have). A stage whose sizes are not whole
