@@ -60,7 +60,7 @@ from tvm.s_tir.dlight.analysis import get_root_block
 
 from analysis.dependence import IslWriter, NotAffine
 from codegen.stitch import align
-from codegen.tensor_core import TILES, TensorCoreTile, tensor_core_schedule
+from codegen.tensor_core import TILES, TensorCoreTile, pipeline_chunks, tensor_core_schedule
 from souffle.errors import SouffleError
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
@@ -467,11 +467,11 @@ def matmul_stage(func: tirx.PrimFunc, threads: int = THREADS) -> tuple[tirx.Prim
 
 
 def _pipeline_slices(sch: s_tir.Schedule) -> bool:
-    """dlight's SIMT matmul software pipelined as ``codegen.tensor_core`` pipelines the
-    tensor-core form: each thread loads its share of the next chunk's slices into registers
-    before the FMAs on this one, and stores them into the slices after. False (and ``sch``
-    unchanged) where the rule's loop over chunks is not the one expected: two slices' copies
-    and the product under it, more than one chunk."""
+    """dlight's SIMT matmul software pipelined as the tensor-core form is
+    (``codegen.tensor_core.pipeline_chunks``): each thread loads its share of the next chunk's
+    slices into registers before the FMAs on this one, and stores them into the slices after.
+    False (and ``sch`` unchanged) where the rule's loop over chunks is not the one expected:
+    two slices' copies and the product under it, more than one chunk."""
     copies = [b for b in sch.get_child_blocks(get_root_block(sch)) if sch.get(b).name_hint.endswith("_shared")]
     if len(copies) != 2:
         return False
@@ -480,10 +480,7 @@ def _pipeline_slices(sch: s_tir.Schedule) -> bool:
     if not (sch.get(sch.get_loops(copies[1])[-5]).same_as(sch.get(chunk)) and isinstance(below, tirx.SeqStmt)
             and len(below.seq) == 3 and _constant(sch.get(chunk).extent) > 1):
         return False
-    for copy in copies:
-        sch.annotate(copy, "tirx.manifest_shared_memory_local_stage", 1)
-    sch.annotate(chunk, "software_pipeline_order", [0, 3, 1, 4, 2])
-    sch.annotate(chunk, "software_pipeline_stage", [0, 0, 0, 0, 1])
+    pipeline_chunks(sch, chunk, copies)
     return True
 
 

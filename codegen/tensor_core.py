@@ -128,6 +128,22 @@ def wmma_intrinsics(operand_dtype: str) -> dict[str, str]:
     return group
 
 
+def pipeline_chunks(sch: s_tir.Schedule, chunk, copies) -> None:
+    """Software-pipeline the loop ``chunk`` over chunks of a GEMM's reduction, whose body is the
+    two operands' ``copies`` into shared memory and the product: each copy gets a register stage
+    (TVM's ``ManifestSharedMemoryLocalStage``: global -> registers, registers -> shared), and
+    ``InjectSoftwarePipeline`` then runs, in each iteration, both loads of the next chunk into
+    registers, the product of this chunk, and both stores of the next chunk into the slices:
+    dlight's order (``MatmulTensorization``), less its fragments' own pipeline. The passes run in
+    ``codegen.schedule._compacted``; the SIMT matmul (``codegen.schedule._pipeline_slices``) and
+    the tensor-core tiles share this."""
+    for copy in copies:
+        sch.annotate(copy, "tirx.manifest_shared_memory_local_stage", 1)
+    # the loop's body then: A to registers, A to shared, W to registers, W to shared, the product
+    sch.annotate(chunk, "software_pipeline_order", [0, 3, 1, 4, 2])
+    sch.annotate(chunk, "software_pipeline_stage", [0, 0, 0, 0, 1])
+
+
 def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int) -> s_tir.Schedule | None:
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
     without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
@@ -177,9 +193,6 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     j_tile, j_warp, j_fragment = sch.split(j, [None, tile.warps_j, tile.fragments_j])
     k_chunk, k_fragment = sch.split(k, [None, tile.k_fragments])
     sch.reorder(i_tile, j_tile, j_warp, i_warp, k_chunk, k_fragment, i_fragment, j_fragment)
-    if tile.pipelined:  # dlight's order, less its fragments' own pipeline: the next chunk's loads first
-        sch.annotate(k_chunk, "software_pipeline_order", [0, 3, 1, 4, 2])
-        sch.annotate(k_chunk, "software_pipeline_stage", [0, 0, 0, 0, 1])
     block_tile = sch.fuse(i_tile, j_tile)
     warp = sch.fuse(j_warp, i_warp)
     sch.bind(batch, "blockIdx.z")
@@ -195,11 +208,11 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         sch.bind(copy_warp, "threadIdx.y")
         sch.vectorize(vector)
         sch.storage_align(copy, 0, axis=-2, factor=FRAGMENT, offset=SLICE_PAD)
-        if tile.pipelined:
-            sch.annotate(copy, "tirx.manifest_shared_memory_local_stage", 1)
         return copy
 
     a_shared, b_shared = stage_in_shared(0), stage_in_shared(1)
+    if tile.pipelined:
+        pipeline_chunks(sch, k_chunk, (a_shared, b_shared))
     auto_inline_producers(sch, a_shared)
     auto_inline_producers(sch, b_shared)
     a_fragment = sch.cache_read(outer, 0, "wmma.matrix_a")
