@@ -467,7 +467,7 @@ def _check_moves_data(chain: list[te.Tensor]):
                                 f"inline {stage.op.name} into its consumer instead")
 
 
-def _reads_tensor(index: tirx.Expr) -> bool:
+def reads_tensor(index: tirx.Expr) -> bool:
     """Whether ``index`` loads a tensor element (a gather's index, as in take): TVM's analyzer
     cannot simplify such an index (it cannot hash the TE it reads), and need not."""
     reads = []
@@ -497,7 +497,7 @@ def recompute(tensor: te.Tensor, load, where: str) -> te.Tensor:
             analyzer.bind(axis.var, axis.dom)
             variables[old_var] = axis.var
         def simplify(index):
-            return index if _reads_tensor(index) else analyzer.simplify(index)
+            return index if reads_tensor(index) else analyzer.simplify(index)
 
         return Rewriter(variables, where, lambda read, indices: load(read, indices, simplify), reduce_axes)(op.body[0])
 

@@ -11,9 +11,11 @@ slots that ``codegen.arena`` later lays out. Nothing synchronizes yet: ``codegen
 
 from __future__ import annotations
 
+from tvm_ffi import structural_equal
 from tvm import te, tirx
 
 from analysis.affine import recompute
+from analysis.dependence import tensor_loads
 from analysis.device import DeviceModel
 from codegen.latency import stage_seconds
 from codegen.schedule import THREADS, schedule_candidates
@@ -39,15 +41,49 @@ class SlotArena:
         return BufferRef(slot, 0, spec)
 
 
-def isolate(tensor: te.Tensor) -> tuple[te.Tensor, list[te.Tensor]]:
-    """``tensor``'s TE over fresh placeholders, one per tensor it reads (in ``input_tensors``
-    order, returned with it), so that it compiles on its own as one stage."""
+class _Placeholders:
+    """Fresh placeholders for the tensors a TE reads, handed out load by load: one per tensor,
+    except that a reduction reading one tensor at two places (the query and key of BERT's Q·K^T,
+    both slices of one QKV tensor) gets one per place, so that the GEMM rules see two operands."""
+
+    def __init__(self, tensors: list[te.Tensor], reduction: te.Tensor | None = None):
+        self.holders = {t.op: te.placeholder(t.shape, t.dtype, name=f"{t.op.name}_in") for t in tensors}
+        self.placeholders = list(self.holders.values())
+        self.tensors = list(tensors)  # what each of ``placeholders`` stands for
+        self.twice = set() if reduction is None else _read_at_two_places(reduction)
+        self.seen: set = set()
+
+    def __call__(self, tensor: te.Tensor, indices, _simplify):
+        if tensor.op in self.twice and tensor.op in self.seen:
+            second = te.placeholder(tensor.shape, tensor.dtype, name=f"{tensor.op.name}_in2")
+            self.placeholders.append(second)
+            self.tensors.append(tensor)
+            return second(*indices)
+        self.seen.add(tensor.op)
+        return self.holders[tensor.op](*indices)
+
+
+def _read_at_two_places(reduction: te.Tensor) -> set:
+    """The tensors ``reduction`` (if it is one) reads at exactly two different indices, each
+    unconditionally (two operands; not the two halves of a concatenation)."""
+    if not reduction.op.reduce_axis:
+        return set()
+    sites: dict = {}
+    for load in tensor_loads(reduction.op.body[0]):
+        sites.setdefault(load.tensor.op, []).append(load)
+    return {op for op, loads in sites.items()
+            if len(loads) == 2 and not any(load.conditions for load in loads)
+            and not structural_equal(list(loads[0].indices), list(loads[1].indices))}
+
+
+def isolate(tensor: te.Tensor) -> tuple[te.Tensor, list[te.Tensor], list[te.Tensor]]:
+    """``tensor``'s TE over fresh placeholders (see ``_Placeholders``), so that it compiles on
+    its own as one stage: (the TE, its placeholders, the tensors they stand for)."""
     if len(tensor.op.body) != 1:
         raise GraphError(f"{tensor.op.name}: TEs with {len(tensor.op.body)} outputs are not staged")
-    inputs = list(tensor.op.input_tensors)
-    holders = {t.op: te.placeholder(t.shape, t.dtype, name=f"{t.op.name}_in") for t in inputs}
-    staged = recompute(tensor, lambda t, idx, _: holders[t.op](*idx), f"staging {tensor.op.name}")
-    return staged, [holders[t.op] for t in inputs]
+    holders = _Placeholders(list(tensor.op.input_tensors), tensor)
+    staged = recompute(tensor, holders, f"staging {tensor.op.name}")
+    return staged, holders.placeholders, holders.tensors
 
 
 def isolate_epilogue(producer: te.Tensor, consumer: te.Tensor) -> tuple[te.Tensor, list[te.Tensor], list[te.Tensor]]:
@@ -55,11 +91,12 @@ def isolate_epilogue(producer: te.Tensor, consumer: te.Tensor) -> tuple[te.Tenso
     placeholders: (the consumer, its placeholders, the tensors they stand for)."""
     outside = list(dict.fromkeys([t for t in producer.op.input_tensors]
                                  + [t for t in consumer.op.input_tensors if not t.op.same_as(producer.op)]))
-    holders = {t.op: te.placeholder(t.shape, t.dtype, name=f"{t.op.name}_in") for t in outside}
-    inner = recompute(producer, lambda t, idx, _: holders[t.op](*idx), f"staging {producer.op.name}")
-    staged = recompute(consumer, lambda t, idx, _: (inner if t.op.same_as(producer.op) else holders[t.op])(*idx),
+    holders = _Placeholders(outside, producer)
+    inner = recompute(producer, holders, f"staging {producer.op.name}")
+    holders.twice = set()  # the epilogue's loads of a tensor the reduction reads twice take the first
+    staged = recompute(consumer, lambda t, idx, s: inner(*idx) if t.op.same_as(producer.op) else holders(t, idx, s),
                        f"staging {consumer.op.name}")
-    return staged, [holders[t.op] for t in outside], outside
+    return staged, holders.placeholders, holders.tensors
 
 
 class _Stager(Stitcher):
@@ -108,9 +145,8 @@ class _Stager(Stitcher):
                 stages.append(self.stage(label, staged, placeholders, [placed[t.op] for t in outside],
                                          placed[tensor.op], mode))
                 continue
-            staged, placeholders = isolate(tensor)
-            reads = [placed[t.op] for t in tensor.op.input_tensors]
-            stages.append(self.stage(label, staged, placeholders, reads, placed[tensor.op]))
+            staged, placeholders, tensors = isolate(tensor)
+            stages.append(self.stage(label, staged, placeholders, [placed[t.op] for t in tensors], placed[tensor.op]))
         return stages
 
     def copy(self, src: BufferRef, dst: BufferRef) -> Stage:

@@ -3,15 +3,27 @@
 A TE that computes each element from the elements at fixed places of its inputs (a reshape, a
 transpose, a bias add, an activation) is recomputed inside each consumer instead of being
 stored, so it is never materialized: fewer stages, fewer barriers, less memory traffic.
+
+Arithmetic is stored where it is computed, not where a chain of layout TEs ends: a GEMM's bias
+add and cast followed by the slices, reshapes and transposes that lead to another GEMM
+(BERT's query, key and value) would otherwise be carried down the chain into each layout TE
+(arithmetic cannot go into a reduction), one stored TE per chain and a grid barrier after the
+GEMM. Stored before the chain, it is one TE in the GEMM's own layout, which ``fuse_epilogues``
+runs in the GEMM's tiles, and the layout TEs are pure index maps the next GEMM reads through.
+Where it reads the GEMM through a reshape (Swin's GELU over [1, 56, 56, 512] of a [3136, 512]
+product), it is stored in the GEMM's shape and its readers read it through the reshape.
 """
 
 from __future__ import annotations
 
+import islpy as isl
+import numpy as np
 import tvm
 from tvm import te
+from tvm_ffi import structural_equal
 
-from analysis.affine import Rewriter, recompute
-from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD, is_call_to
+from analysis.affine import Rewriter, reads_tensor, recompute
+from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD, access_relations, is_call_to, tensor_loads
 from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, MAX_NESTED_SELECTS, nested_expanded_calls, nested_selects
 from souffle.lower import LoopRegion, Region, TEProgram
 from souffle.passes import Outcome
@@ -90,16 +102,118 @@ def _inline_region(region: Region, renamed: dict) -> Region:
             readers.setdefault(producer.op, []).append(stage)
     inlined: dict = {}  # old op -> its rebuilt TE, to be substituted at every load
     new: dict = {}  # old op -> its rebuilt TE, stored
+    leads_to_reduction = _layout_chains_to_reductions(stages, readers, kept)
     for stage in stages:
         rebuilt = _rebuild(stage, inlined, new)
-        if stage.op not in kept and inlinable(rebuilt, readers.get(stage.op, [])):
-            inlined[stage.op] = rebuilt
-        else:
-            new[stage.op] = rebuilt
-            renamed[stage.op] = rebuilt
+        users = readers.get(stage.op, [])
+        if stage.op not in kept and inlinable(rebuilt, users):
+            if not _anchored(stage, rebuilt, users, leads_to_reduction):
+                inlined[stage.op] = rebuilt
+                continue
+            if (relaid := _in_producer_shape(rebuilt)) is not None:
+                stored, inlined[stage.op] = relaid
+                new[stage.op] = renamed[stage.op] = stored
+                continue
+        new[stage.op] = rebuilt
+        renamed[stage.op] = rebuilt
     tensors = {name: new.get(t.op, t) for name, t in region.tensors.items() if t.op not in inlined}
     op_of = {new[op].op: origin for op, origin in region.op_of.items() if op in new}
     return Region(region.name, region.ops, region.inputs, region.outputs, tensors, op_of)
+
+
+def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: set) -> set:
+    """The ops one of whose readers is a reduction, or a layout TE not kept whose own readers
+    lead to one. A layout TE, as written in the program, is one load at an index of its axes (a
+    reshape, transpose or slice): a padding, a roll (a load chosen by a condition) or a relu (a
+    value chosen by a value) is none, since the GEMM rules take no condition inside an operand."""
+    layout = {s.op for s in stages if isinstance(s.op, te.ComputeOp) and not s.op.reduce_axis
+              and len(s.op.body) == 1 and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
+    leads: set = set()
+    for stage in reversed(stages):  # readers come after their producers
+        if any(r.op.reduce_axis or (r.op in layout and r.op in leads) for r in readers.get(stage.op, [])):
+            leads.add(stage.op)
+    return leads
+
+
+def _anchored(stage: te.Tensor, rebuilt: te.Tensor, users: list[te.Tensor], leads_to_reduction: set) -> bool:
+    """Whether ``stage`` (``rebuilt``, inlinable) is stored instead: its arithmetic would otherwise
+    be carried down layout TEs to the one a reduction reads, and its readers read all of it."""
+    return (stage.op in leads_to_reduction and not selects_elements(rebuilt.op.body[0])
+            and _read_whole(stage, users))
+
+
+def _in_producer_shape(tensor: te.Tensor) -> tuple[te.Tensor, te.Tensor] | None:
+    """``tensor`` as (the same values stored in the shape of the one reduction it reads through a
+    reshape, that stored TE read back through the reshape), or None: it reads no reduction of
+    another shape and its own size, or reading it in that shape is not reading each result at its
+    own index (once simplified)."""
+    size = _size(tensor.shape)
+    shapes = {tuple(int(d) for d in t.shape) for t in tensor.op.input_tensors
+              if _is_reduction(t) and _size(t.shape) == size}
+    shapes.discard(tuple(int(d) for d in tensor.shape))
+    if len(shapes) != 1:
+        return None
+    (shape,) = shapes
+    stored = te.compute(shape, lambda *j: _reshaped(tensor, j, shape), name=tensor.op.name, tag=tensor.op.tag)
+    axes = [ax.var for ax in stored.op.axis]
+    for load in tensor_loads(stored.op.body[0]):
+        if _is_reduction(load.tensor) and _size(load.tensor.shape) == size and \
+                not structural_equal(list(load.indices), axes):
+            return None
+    view = te.compute(tensor.shape, lambda *a: stored(*_reshape_index(a, tensor.shape, shape)),
+                      name=f"{tensor.op.name}_view")
+    return stored, view
+
+
+def _is_reduction(tensor: te.Tensor) -> bool:
+    return isinstance(tensor.op, te.ComputeOp) and bool(tensor.op.reduce_axis)
+
+
+def _size(shape) -> int:
+    return int(np.prod([int(d) for d in shape]))
+
+
+def _reshape_index(index, from_shape, to_shape) -> list:
+    """The index into ``to_shape`` of the element at ``index`` of ``from_shape`` (row-major)."""
+    flat = 0
+    for i, d in zip(index, from_shape):
+        flat = flat * int(d) + i
+    out = []
+    for d in reversed([int(d) for d in to_shape]):
+        out.append(flat % d)
+        flat = flat // d
+    return list(reversed(out))
+
+
+def _reshaped(tensor: te.Tensor, j, shape):
+    """``tensor``'s body at the element of it that index ``j`` of ``shape`` is, loads simplified."""
+    analyzer = tvm.sym.Analyzer()
+    for var, d in zip(j, shape):
+        analyzer.bind(var, tvm.ir.Range(0, d))
+
+    def simplify(index):
+        return index if reads_tensor(index) else analyzer.simplify(index)
+
+    variables = {ax.var: simplify(i) for ax, i in zip(tensor.op.axis, _reshape_index(j, shape, tensor.shape))}
+    return Rewriter(variables, f"storing {tensor.op.name} in its producer's shape",
+                    lambda read, indices: read(*map(simplify, indices)))(tensor.op.body[0])
+
+
+def _read_whole(stage: te.Tensor, users: list[te.Tensor]) -> bool:
+    """Whether ``users`` together read every element of ``stage``, exactly as far as isl can tell:
+    storing it then computes nothing no one reads (a slice of one row would)."""
+    if not users or not isinstance(stage.op, te.ComputeOp):
+        return False
+    read = None
+    for user in users:
+        access = access_relations(user)[stage.op]
+        if not access.exact:
+            return False
+        read = access.spatial.range() if read is None else read.union(access.spatial.range())
+    names = ", ".join(f"a{k}" for k in range(len(stage.shape)))
+    bounds = " and ".join(f"0 <= a{k} < {int(d)}" for k, d in enumerate(stage.shape)) or "true"
+    whole = isl.Set(f"{{ {read.get_tuple_name()}[{names}] : {bounds} }}")
+    return whole.is_subset(read)
 
 
 def _rebuild(stage: te.Tensor, inlined: dict, new: dict) -> te.Tensor:

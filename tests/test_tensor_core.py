@@ -177,6 +177,29 @@ def test_bert_on_tensor_cores_matches_pytorch_on_emulated_threads(precision):
             np.testing.assert_allclose(output, reference, rtol=rtol, atol=atol, err_msg=order)
 
 
+@needs_gxx
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_attention_reads_query_key_and_value_from_the_projection_on_tensor_cores():
+    """With heads of 64 every GEMM of BERT fits a tile. The QKV projection stores its bias add in
+    its own layout (``codegen.vertical``), so Q.K^T reads query and key as two places of that one
+    tensor, through two placeholders (``codegen.stage``), and P.V reads the value: no transposed
+    copies between them."""
+    config = {**BERT_GEMMS, "hidden": 128}
+    graph = models.build("bert", config, seed=0)
+    inputs = models.make_inputs("bert", config, seed=0)
+    expected = models.reference("bert", config, graph.weights, "fp16")(inputs)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+    stages = model.kernel_plan.staged.stages()
+    assert sum(s.schedule.template == "tensor_core" for s in stages) == 6
+    assert not [s.name for s in stages if "transpose" in s.name]
+    (scores,) = [s for s in stages if "T_batch_matmul_NT" in s.name]
+    assert len(scores.placeholders) == 2 and scores.reads[0] == scores.reads[1]
+    rtol, atol = models.tolerance("bert", "tiny", "fp16")
+    for order in ("ascending", "descending"):
+        for output, reference in zip(model.schedule(order, model.emulator.sms + 1, seed=5).run(inputs), expected):
+            np.testing.assert_allclose(output, reference, rtol=rtol, atol=atol, err_msg=order)
+
+
 @pytest.mark.parametrize("precision, dtype", [("fp16", "float16"), ("bf16", "bfloat16")])
 def test_the_latency_model_counts_tensor_core_stages_at_the_tensor_core_peak(precision, dtype):
     staged = run_passes(models.build("bert", BERT_GEMMS), "cuda", stop="plan_arena", precision=precision).ir

@@ -71,6 +71,57 @@ def test_only_element_selections_are_inlined_into_a_reduction():
     assert not inlinable(shifted, [])
 
 
+def _query_by_key(halves: int = 2):
+    """BERT's self-attention scores, small: a dense with bias (two heads' query and key in one
+    [8, 32] product), ``halves`` of whose column halves are reshaped to heads and transposed,
+    and the query multiplied by the key (by itself with one half)."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("scores")
+    x = b.input("x", (8, 16))
+    w = b.param("w", rng.standard_normal((32, 16)).astype("float32"))
+    bias = b.param("b", rng.standard_normal(32).astype("float32"))
+    projected = b.op("add", b.op("dense", x, w), bias)
+    heads = [b.op("transpose", b.op("reshape", b.op("slice", projected, begin=h * 16, end=(h + 1) * 16, axis=-1),
+                                    shape=(8, 2, 8)), axes=(1, 0, 2)) for h in range(halves)]
+    return b.build(b.op("batch_matmul", heads[0], heads[-1], transpose_b=True, name="scores"))
+
+
+def _expected_scores(graph, x, halves: int = 2):
+    projected = x @ graph.weights["w"].T + graph.weights["b"]
+    q, k = (projected[:, h * 16:(h + 1) * 16].reshape(8, 2, 8).transpose(1, 0, 2) for h in (0, halves - 1))
+    return q @ k.transpose(0, 2, 1)
+
+
+def test_arithmetic_before_layout_into_a_gemm_is_stored_in_the_producers_layout():
+    """The bias add is stored as the dense's [8, 32] output, and the slices, reshapes and
+    transposes become the batched product's operand indices: three TEs, not four (the bias
+    carried into each head's transposed copy)."""
+    graph = _query_by_key()
+    inlined = vertical(lower_graph(graph))
+    stages = inlined.stages()
+    assert [bool(t.op.reduce_axis) for t in stages] == [True, False, True]
+    dense, biased, scores = stages
+    assert [int(d) for d in biased.shape] == [8, 32] and list(biased.op.input_tensors[0].shape) == dense.shape
+    assert [t.op for t in scores.op.input_tensors] == [biased.op]  # query and key: two places of one tensor
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype("float32")
+    for level in (2, 4):
+        (out,) = run_poisoned(souffle.compile(graph, "llvm-persistent", opt_level=level), {"x": x})
+        np.testing.assert_allclose(out, _expected_scores(graph, x), rtol=1e-5, atol=1e-5, err_msg=f"O{level}")
+
+
+def test_arithmetic_is_not_stored_where_no_one_reads_all_of_it():
+    """Only the first half of the product is read: storing the bias add in the dense's layout
+    would compute 16 columns no one reads, so it is carried into the slice, which is read whole
+    and stored; the reshape and transpose after it become the product's operand indices."""
+    graph = _query_by_key(halves=1)
+    stages = vertical(lower_graph(graph)).stages()
+    assert [bool(t.op.reduce_axis) for t in stages] == [True, False, True]
+    assert [int(d) for d in stages[1].shape] == [8, 16]
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype("float32")
+    (out,) = run_poisoned(souffle.compile(graph, "llvm-persistent", opt_level=4), {"x": x})
+    np.testing.assert_allclose(out, _expected_scores(graph, x, halves=1), rtol=1e-5, atol=1e-5)
+
+
 def test_opt_levels_are_checked():
     assert [CUDA.check_level(level) for level in OPT_LEVELS] == [0, 1, 2, 3, 4]
     assert CUDA.check_level(None) == 4

@@ -49,14 +49,14 @@ def test_accepts_the_correct_kernels(lstm_o4):
 
 
 def test_rejects_mmoe_o4_reading_another_threads_result_without_syncthreads(without_block_barriers):
-    """Issue 15, defect 3: paper and tiny MMoE at O4 had no __syncthreads; the gate matmul's
-    output written by threads 0-17 of block 0 is read by other threads of that block (the gate
-    slices), with nothing ordering them."""
+    """Issue 15, defect 3: paper and tiny MMoE at O4 had no __syncthreads; the experts' and
+    gates' matmul output (with its bias) written by threads 0-17 of block 0 is read by other
+    threads of that block (the gates' softmax), with nothing ordering them."""
     (kernel,) = mutants.kernels("mmoe", 4)
     violations = _violations(kernel)
-    assert violations[0].startswith("stage 0 (writes T_matmul_NT) / stage 1 (writes T_strided_slice_with_axes): "
-                                    "thread (15,0) of tile 0 and thread (0,0) of tile 0 (same block, grid size 1) "
-                                    "write and read global T_matmul_NT[15] / T_matmul_NT_in[15] with no "
+    assert violations[0].startswith("stage 0 (writes T_add) / stage 1 (writes T_softmax_maxelem): "
+                                    "thread (17,0) of tile 0 and thread (0,0) of tile 0 (same block, grid size 1) "
+                                    "write and read global T_add[17] / T_add_in[17] with no "
                                     "__syncthreads between them"), violations
     assert any(f.startswith("race:") for f in mutants.concrete_faults(kernel, kernel.func))
 
