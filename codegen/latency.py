@@ -222,6 +222,15 @@ def _is_gemm(reduction: te.Tensor | None) -> bool:
     return bool(left - right) and bool(right - left)
 
 
+def _peak_dtype(stage: Stage, reduction: te.Tensor | None) -> str:
+    """The dtype whose peak the stage is measured against: a GEMM-shaped stage's operands' (a
+    float16 GEMM on FP32 lanes is far from the float16 peak whatever its epilogue stores), any
+    other stage's output's."""
+    if _is_gemm(reduction):
+        return str(tensor_loads(reduction.op.body[0])[0].tensor.dtype)
+    return str(stage.tensor.dtype)
+
+
 def _size(tensor: te.Tensor) -> int:
     return math.prod(int(d) for d in tensor.shape)
 
@@ -313,7 +322,7 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
     global_reads = [(k, requested.get(stage.placeholders[k].op.name, 0)) for k in range(len(stage.reads))
                     if k not in stage.on_chip]
     return StageWork(
-        name=stage.name, template=template, dtype=str(stage.tensor.dtype), executions=executions,
+        name=stage.name, template=template, dtype=_peak_dtype(stage, reduction), executions=executions,
         n_tiles=schedule.n_tiles, threads=threads, active_threads=active, grid=grid, blocks_per_sm=blocks_per_sm,
         flops=flops, tensor_core=False, gemm=_is_gemm(reduction), memory_steps=memory_steps,
         on_chip_steps=on_chip_steps, block_barriers=barriers, accesses=tuple(accesses),
@@ -374,7 +383,7 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, d
     flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
     read_bytes = sum(dram.reads)
     return StageWork(
-        name=stage.name, template="matmul", dtype=str(stage.tensor.dtype), executions=executions,
+        name=stage.name, template="matmul", dtype=_peak_dtype(stage, reduction), executions=executions,
         n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
         blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=False, gemm=True, memory_steps=chunks,
         on_chip_steps=terms, block_barriers=2 * chunks, accesses=accesses,

@@ -265,3 +265,19 @@ def test_a_reduction_with_a_row_epilogue_counts_one_row_per_warp():
         assert work.on_chip_steps == SHUFFLE_ROUNDS
         reduced = next(a for a in work.accesses if a.kind == "store" and a.space == "shared")
         assert reduced.per_tile == 8
+
+
+def test_a_gemm_is_measured_against_its_operands_peak_whatever_it_stores(monkeypatch):
+    """At fp16 on dlight's SIMT matmul, the dense stores float32 at O2 (bias, relu and the cast a
+    stage of their own) and float16 at O3 (they are its epilogue): both are float16 GEMMs, read
+    against the tensor-core peak, with the same share of it (a regression: the float32 one was
+    read against the FP32 FMA peak, 15x lower)."""
+    monkeypatch.setattr(codegen.schedule, "TILES", ())
+    shares = {}
+    for level in (2, 3):
+        staged = run_passes(_dense(), "cuda", stop="plan_arena", device="h100", opt_level=level, precision="fp16").ir
+        (gemm,) = [s for s in latency_estimate(staged, H100).stages if s.work.gemm]
+        assert gemm.work.template == "matmul" and gemm.work.dtype == "float16" and not gemm.work.tensor_core
+        shares[level] = gemm.fraction_of_peak
+    assert [str(s.tensor.dtype) for s in staged.stages()][:1] == ["float16"]
+    assert shares[2] == pytest.approx(shares[3], rel=0.2) and shares[3] < 0.2
