@@ -226,9 +226,12 @@ def _peak_dtype(stage: Stage, reduction: te.Tensor | None) -> str:
     """The dtype whose peak the stage is measured against: a GEMM-shaped stage's operands' (a
     float16 GEMM on FP32 lanes is far from the float16 peak whatever its epilogue stores), any
     other stage's output's."""
-    if _is_gemm(reduction):
-        return str(tensor_loads(reduction.op.body[0])[0].tensor.dtype)
-    return str(stage.tensor.dtype)
+    return _operand_dtype(reduction) if _is_gemm(reduction) else str(stage.tensor.dtype)
+
+
+def _operand_dtype(reduction: te.Tensor) -> str:
+    """The dtype of the tensors a reduction reads (its first load's): what its slices hold."""
+    return str(tensor_loads(reduction.op.body[0])[0].tensor.dtype)
 
 
 def _size(tensor: te.Tensor) -> int:
@@ -353,7 +356,7 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, d
     rows, cols = WARP * MATMUL_VTHREADS * MATMUL_MICRO[0], warps * MATMUL_MICRO[1]
     terms = _reduction_length(reduction)
     chunks = -(-terms // MATMUL_K_CHUNK)
-    itemsize = np.dtype(str(reduction.dtype)).itemsize
+    itemsize = np.dtype(_operand_dtype(reduction)).itemsize  # the slices hold the operands' dtype
     vector_sectors = max(1, WARP * MATMUL_VECTOR * itemsize // SECTOR_BYTES)
     copies = -(-(rows + cols) * chunks * MATMUL_K_CHUNK // (WARP * MATMUL_VECTOR))
     # a slice row holds MATMUL_K_CHUNK terms padded by MATMUL_VECTOR (dlight's storage_align);
