@@ -11,8 +11,8 @@ slots that ``codegen.arena`` later lays out. Nothing synchronizes yet: ``codegen
 
 from __future__ import annotations
 
-from tvm_ffi import structural_equal
 from tvm import te, tirx
+from tvm_ffi import structural_equal
 
 from analysis.affine import recompute
 from analysis.dependence import tensor_loads

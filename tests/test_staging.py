@@ -6,13 +6,13 @@ import dataclasses
 import numpy as np
 import pytest
 from model_checks import run_poisoned
-from tvm import tirx
+from tvm import te, tirx
 
 import souffle
 from codegen import llvm
 from codegen.arena import _live_ranges, plan_arena
 from codegen.barriers import _Access, _same_memory, _Scope, place_barriers, same_block
-from codegen.stage import stage_program
+from codegen.stage import isolate, stage_program
 from codegen.staged import Loop, copy_items, stages_in
 from codegen.stitch import BufferRef
 from souffle.compiled import CpuModel
@@ -185,3 +185,21 @@ def test_same_memory_over_loop_iterations(earlier, later, stale, expected):
 
     access = _Access(None, ref(earlier), None, frozenset({i}) if stale else frozenset())
     assert _same_memory(access, ref(later), scope) == expected
+
+
+def test_a_reduction_reading_one_tensor_as_both_operands_gets_a_placeholder_for_each():
+    """Q.K^T of one projection: two places of ``qk``, each an operand of its own placeholder (the
+    GEMM rules need two). A concatenation read under conditions, or a square, keeps one."""
+    qk = te.placeholder((8, 32), name="qk")
+    w = te.placeholder((32,), name="w")
+    k = te.reduce_axis((0, 16), "k")
+    scores = te.compute((8, 8), lambda i, j: te.sum(qk[i, k] * qk[j, 16 + k], axis=k), name="scores")
+    staged, placeholders, tensors = isolate(scores)
+    assert [p.op.name for p in placeholders] == ["qk_in", "qk_in2"] and [t.op for t in tensors] == [qk.op, qk.op]
+    assert sorted(t.op.name for t in staged.op.input_tensors) == ["qk_in", "qk_in2"]
+    c = te.reduce_axis((0, 32), "c")
+    halves = te.compute((8,), lambda i: te.sum(tirx.if_then_else(c < 16, qk[i, c], qk[i, 31 - c]) * w[c], axis=c),
+                        name="halves")
+    squares = te.compute((8,), lambda i: te.sum(qk[i, c] * qk[i, c], axis=c), name="squares")
+    for single in (halves, squares):
+        assert [t.op for t in isolate(single)[2]] == [qk.op, w.op][:len(single.op.input_tensors)]
