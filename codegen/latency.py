@@ -356,14 +356,18 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, d
     rows, cols = WARP * MATMUL_VTHREADS * MATMUL_MICRO[0], warps * MATMUL_MICRO[1]
     terms = _reduction_length(reduction)
     chunks = -(-terms // MATMUL_K_CHUNK)
-    itemsize = np.dtype(_operand_dtype(reduction)).itemsize  # the slices hold the operands' dtype
+    # the copies read the operands' dtype; the slices hold float32 (narrower operands are
+    # widened as they are copied: ``codegen.schedule.widened_operands``)
+    itemsize = np.dtype(_operand_dtype(reduction)).itemsize
+    slice_itemsize = max(itemsize, 4)
     vector_sectors = max(1, WARP * MATMUL_VECTOR * itemsize // SECTOR_BYTES)
+    slice_sectors = max(1, WARP * MATMUL_VECTOR * slice_itemsize // SECTOR_BYTES)
     copies = -(-(rows + cols) * chunks * MATMUL_K_CHUNK // (WARP * MATMUL_VECTOR))
     # a slice row holds MATMUL_K_CHUNK terms padded by MATMUL_VECTOR (dlight's storage_align);
     # at one term the lanes read the row operand MATMUL_MICRO[0] rows apart: that stride's
     # common factor with the 32 four-byte banks is how many lanes share a bank (1 at 17 words,
     # 8 at dlight's default 4 x 18)
-    row_words = (MATMUL_K_CHUNK + MATMUL_VECTOR) * itemsize // 4
+    row_words = (MATMUL_K_CHUNK + MATMUL_VECTOR) * slice_itemsize // 4
     stride = MATMUL_MICRO[0] * row_words
     row_loads = MATMUL_VTHREADS * MATMUL_MICRO[0]
     # nvcc unrolls a chunk's terms, and where a slice row starts on 16 bytes loads 4 consecutive
@@ -371,7 +375,7 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, d
     # 768 dense, sm_90: with rows of 20 words 40 LDS.128 per 256 FFMA in 64 x 64 tiles, 32 in
     # 128 x 32 tiles; with rows of 17, 43 narrower loads per 128 FFMA). A 128-bit load is served
     # 8 lanes (128 bytes) at a time: 4 wavefronts, times the lanes of 8 whose 16 bytes share banks.
-    if itemsize == 4 and row_words % 4 == 0 and MATMUL_K_CHUNK % 4 == 0:
+    if slice_itemsize == 4 and row_words % 4 == 0 and MATMUL_K_CHUNK % 4 == 0:
         k_vector = 4
         groups = len({stride * lane % SHARED_BANKS // 4 for lane in range(8)})
         row_sectors = 4 * (8 // groups) * L1_SECTORS_PER_CLOCK
@@ -379,7 +383,7 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, d
         k_vector = 1
         row_sectors = math.gcd(stride, SHARED_BANKS) * L1_SECTORS_PER_CLOCK
     accesses = (MemoryAccess("operand slices", "load", "global", copies, vector_sectors),
-                MemoryAccess("operand slices", "store", "shared", copies, vector_sectors),
+                MemoryAccess("operand slices", "store", "shared", copies, slice_sectors),
                 MemoryAccess("row operand", "load", "shared", warps * terms * row_loads // k_vector, row_sectors),
                 MemoryAccess("column operand", "load", "shared", warps * terms * MATMUL_MICRO[1] // k_vector, 1),
                 MemoryAccess(stage.tensor.op.name, "store", "global", -(-rows * cols // WARP), WARP))

@@ -58,6 +58,7 @@ from tvm import s_tir, te, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import get_root_block
 
+from analysis.affine import recompute
 from analysis.dependence import IslWriter, NotAffine
 from codegen.stitch import align
 from codegen.tensor_core import TILES, TensorCoreTile, pipeline_chunks, tensor_core_schedule
@@ -264,9 +265,34 @@ def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: b
     gemms = []
     if gpu and epilogue_mode != "shared":
         func = te.create_prim_func(placeholders + [tensor])
-        matmul = matmul_stage(func, threads)
+        matmul = matmul_stage(te.create_prim_func(placeholders + [widened_operands(tensor)]), threads)
         gemms = tensor_core_stages(func, threads) + ([matmul] if matmul else [])
     return gemms + [_own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)]
+
+
+def widened_operands(tensor: te.Tensor) -> te.Tensor:
+    """``tensor`` (a reduction, or the epilogue of one) with the reduction's operands of a
+    narrower dtype than float32 read from a float32 copy of each, a TE of its own: dlight's SIMT
+    matmul then casts as it copies them into float32 slices, whose rows nvcc reads four terms per
+    128-bit load, where it reads float16 slices one half at a time (``ld.shared.u16`` in its
+    PTX). ``tensor`` itself where there is nothing to widen."""
+    reduction = tensor if tensor.op.reduce_axis else next(
+        (t for t in tensor.op.input_tensors if getattr(t.op, "reduce_axis", None)), None)
+    if reduction is None or str(reduction.dtype) != "float32":
+        return tensor
+    narrow = {t.op: t for t in reduction.op.input_tensors if str(t.dtype) in ("float16", "bfloat16")}
+    if not narrow:
+        return tensor
+    wide = {op: _as_float32(t) for op, t in narrow.items()}
+    widened = recompute(reduction, lambda t, idx, _: wide.get(t.op, t)(*idx), f"widening {reduction.op.name}")
+    if reduction is tensor:
+        return widened
+    return recompute(tensor, lambda t, idx, _: (widened if t.op.same_as(reduction.op) else t)(*idx),
+                     f"widening {tensor.op.name}")
+
+
+def _as_float32(tensor: te.Tensor) -> te.Tensor:
+    return te.compute(tensor.shape, lambda *i: tensor(*i).astype("float32"), name=f"{tensor.op.name}_f32")
 
 
 def _own_schedule(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int,

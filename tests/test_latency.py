@@ -271,17 +271,20 @@ def test_a_gemm_is_measured_against_its_operands_peak_whatever_it_stores(monkeyp
     """At fp16 on dlight's SIMT matmul, the dense stores float32 at O2 (bias, relu and the cast a
     stage of their own) and float16 at O3 (they are its epilogue): both are float16 GEMMs, read
     against the tensor-core peak, with the same share of it (a regression: the float32 one was
-    read against the FP32 FMA peak, 15x lower), and both copy float16 slices (another: the model
-    counted them in the accumulator's float32)."""
+    read against the FP32 FMA peak, 15x lower). Both copy float16 operands into float32 slices
+    (``codegen.schedule.widened_operands``)."""
     monkeypatch.setattr(codegen.schedule, "TILES", ())
     shares = {}
     for level in (2, 3):
         staged = run_passes(_dense(), "cuda", stop="plan_arena", device="h100", opt_level=level, precision="fp16").ir
         (gemm,) = [s for s in latency_estimate(staged, H100).stages if s.work.gemm]
         assert gemm.work.template == "matmul" and gemm.work.dtype == "float16" and not gemm.work.tensor_core
-        # its slices hold float16: 4 halves a lane, 8 sectors a warp, half the float32 bytes
-        assert {a.sectors for a in gemm.work.accesses if a.tensor == "operand slices"} == {8}
-        assert gemm.work.l2_read_bytes == (64 + 64) * K * 2
+        # it copies float16, 4 halves a lane (8 sectors a warp, half the float32 bytes from L2), into
+        # float32 slices (16 sectors a warp's store), read 4 terms a load as float32 models' are
+        copies = {a.kind: a.sectors for a in gemm.work.accesses if a.tensor == "operand slices"}
+        assert copies == {"load": 8, "store": 16} and gemm.work.l2_read_bytes == (64 + 64) * K * 2
+        row = next(a for a in gemm.work.accesses if a.tensor == "row operand")
+        assert row.per_tile == 8 * K * 2 // 4
         shares[level] = gemm.fraction_of_peak
     assert [str(s.tensor.dtype) for s in staged.stages()][:1] == ["float16"]
     assert shares[2] == pytest.approx(shares[3], rel=0.2) and shares[3] < 0.2

@@ -227,6 +227,31 @@ def test_a_pipelined_matmul_of_eight_chunks_matches_float64_on_emulated_threads(
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_narrow_operands_are_widened_into_float32_slices_and_match_numpy_on_emulated_threads(precision, monkeypatch):
+    """dlight's SIMT matmul (tensor cores off) of float16 or bfloat16 operands copies them into
+    float32 slices (``codegen.schedule.widened_operands``), so its rows are read as float32's
+    are, four terms a load; the product matches float64 over the rounded operands."""
+    import ml_dtypes
+
+    monkeypatch.setattr(codegen.schedule, "TILES", ())
+    narrow = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}[precision]
+    rng = np.random.default_rng(4)
+    b = GraphBuilder("dense")
+    w = (rng.standard_normal((192, 128)) * 0.1).astype(np.float32)
+    graph = b.build(b.op("relu", b.op("dense", b.input("x", (256, 128)), b.param("w", w))))
+    inputs = {"x": rng.standard_normal((256, 128)).astype(np.float32)}
+    rounded = [a.astype(narrow).astype(np.float64) for a in (inputs["x"], w)]
+    expected = np.maximum(rounded[0] @ rounded[1].T, 0)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
+    assert [s.schedule.template for s in model.kernel_plan.staged.stages()].count("matmul") == 1
+    assert "_f32_reindex_shared" in model.source and "float4" in model.source
+    for order in ("ascending", "descending"):
+        (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
+        np.testing.assert_allclose(output, expected, rtol=2e-2, atol=2e-2, err_msg=order)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
 def test_two_gemms_in_one_block_match_numpy():
     graph, inputs, expected = _two_gemms()
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
