@@ -18,7 +18,7 @@ import numpy as np
 import tvm
 from tvm import te
 
-from analysis.dependence import access_relations
+from analysis.dependence import access_relations, iteration_domain
 from codegen.schedule import ScheduleError, schedule_te, tiling
 from codegen.stage import isolate_epilogue
 from codegen.staged import tiles_of
@@ -44,9 +44,7 @@ def epilogue_mode(producer: te.Tensor, consumer: te.Tensor, threads: int) -> str
     if not access.exact:
         return None
     relation = access.spatial
-    names = ", ".join(f"a{k}" for k in range(len(consumer.shape)))
-    bounds = " and ".join(f"0 <= a{k} < {int(d)}" for k, d in enumerate(consumer.shape)) or "true"
-    if not isl.Set(f"{{ {relation.get_tuple_name(isl.dim_type.in_)}[{names}] : {bounds} }}").is_subset(relation.domain()):
+    if not iteration_domain(consumer).is_subset(relation.domain()):
         return None  # elements that read no result (padding) would belong to no tile
     shape = [int(d) for d in producer.shape]
     if _reads_own_index(relation, [int(d) for d in consumer.shape], shape):

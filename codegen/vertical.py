@@ -16,14 +16,14 @@ product), it is stored in the GEMM's shape and its readers read it through the r
 
 from __future__ import annotations
 
-import islpy as isl
 import numpy as np
 import tvm
 from tvm import te
 from tvm_ffi import structural_equal
 
 from analysis.affine import Rewriter, reads_tensor, recompute
-from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD, access_relations, is_call_to, tensor_loads
+from analysis.dependence import (IF_THEN_ELSE, TENSOR_LOAD, access_relations, is_call_to, iteration_domain,
+                                 tensor_loads)
 from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, MAX_NESTED_SELECTS, nested_expanded_calls, nested_selects
 from souffle.lower import LoopRegion, Region, TEProgram
 from souffle.passes import Outcome
@@ -210,10 +210,7 @@ def _read_whole(stage: te.Tensor, users: list[te.Tensor]) -> bool:
         if not access.exact:
             return False
         read = access.spatial.range() if read is None else read.union(access.spatial.range())
-    names = ", ".join(f"a{k}" for k in range(len(stage.shape)))
-    bounds = " and ".join(f"0 <= a{k} < {int(d)}" for k, d in enumerate(stage.shape)) or "true"
-    whole = isl.Set(f"{{ {read.get_tuple_name()}[{names}] : {bounds} }}")
-    return whole.is_subset(read)
+    return iteration_domain(stage).is_subset(read)
 
 
 def _rebuild(stage: te.Tensor, inlined: dict, new: dict) -> te.Tensor:
