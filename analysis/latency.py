@@ -122,6 +122,9 @@ class StageWork:
     l2_read_bytes: int  # per tile: the sectors its global loads touch, each once
     dram_bytes: int  # distinct bytes read and written per execution
     block_barrier_before: bool = False  # a __syncthreads before the stage, once per block
+    # FLOPs the tiles issue where they exceed ``flops``: a GEMM's tiles padded past its edges
+    # multiply zeros at the same cost (``flops`` stays the useful work the share of peak counts)
+    issued_flops: int = 0
 
     @property
     def waves(self) -> int:
@@ -186,7 +189,7 @@ def estimate_stage(work: StageWork, device: DeviceModel) -> StageEstimate:
     else:
         busy = min(1.0, blocks_on_sm * work.active_threads / device.fp32_lanes_per_sm)
         sm_peak = device.peak("float32") / device.sms
-    fp = tiles_on_sm * (work.flops / work.n_tiles) / (sm_peak * busy) if work.flops else 0.0
+    fp = tiles_on_sm * (max(work.flops, work.issued_flops) / work.n_tiles) / (sm_peak * busy) if work.flops else 0.0
     l1_clocks = sum(a.per_tile * max(1.0, a.sectors / L1_SECTORS_PER_CLOCK) for a in work.accesses)
     stores = sum(a.per_tile * a.sectors for a in work.accesses if a.kind == "store" and a.space == "global")
     times = {

@@ -388,12 +388,13 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, d
                 MemoryAccess("column operand", "load", "shared", warps * terms * MATMUL_MICRO[1] // k_vector, 1),
                 MemoryAccess(stage.tensor.op.name, "store", "global", -(-rows * cols // WARP), WARP))
     flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
+    issued = _padded_flops(stage, reduction, rows * cols * chunks * MATMUL_K_CHUNK)
     read_bytes = sum(dram.reads)
     return StageWork(
         name=stage.name, template="matmul", dtype=_peak_dtype(stage, reduction), executions=executions,
         n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
         blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=False, gemm=True, memory_steps=chunks,
-        on_chip_steps=terms, block_barriers=2 * chunks, accesses=accesses,
+        on_chip_steps=terms, block_barriers=2 * chunks, accesses=accesses, issued_flops=issued,
         l2_read_bytes=(rows + cols) * chunks * MATMUL_K_CHUNK * itemsize,
         dram_bytes=round(min(read_bytes, (rows + cols) * chunks * MATMUL_K_CHUNK * itemsize * schedule.n_tiles)
                          + dram.written),
@@ -435,6 +436,7 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
                 MemoryAccess(stage.tensor.op.name, "store", "global", stores,
                              max(1, WARP * TENSOR_CORE_VECTOR * out // SECTOR_BYTES)))
     flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
+    issued = _padded_flops(stage, reduction, rows * cols * chunks * tile.depth)
     read_bytes = sum(dram.reads)
     slices = (rows + cols) * chunks * tile.depth * element
     return StageWork(
@@ -442,8 +444,17 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
         n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
         blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=True, gemm=True, memory_steps=chunks + 1,
         on_chip_steps=steps + 2, block_barriers=2 * chunks + 2, accesses=accesses, l2_read_bytes=slices,
+        issued_flops=issued,
         dram_bytes=round(min(read_bytes, slices * schedule.n_tiles) + dram.written),
         block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
+
+
+def _padded_flops(stage: Stage, reduction: te.Tensor, products_per_tile: int) -> int:
+    """The FLOPs a GEMM's tiles issue, ``products_per_tile`` multiply-adds each (the tile's
+    outputs times its chunks' terms: dlight pads a GEMM to whole tiles and chunks), its epilogue
+    included."""
+    epilogue = count_flops(stage.tensor) if stage.epilogue is not None else 0
+    return 2 * products_per_tile * stage.schedule.n_tiles + epilogue
 
 
 # -- one warp's accesses, evaluated at a representative warp --------------------------------------

@@ -25,7 +25,7 @@ Templates, chosen from the block's iterators (never from an op's name):
   register tile per thread. Its tiles are boxes of the output, not runs; the schedule carries
   them as an isl relation (``StageSchedule.tile_relation``).
 - ``tensor_core`` (GPU only): a GEMM-shaped stage of float16 or bfloat16 operands accumulating
-  in float32, in whole tiles, is scheduled by dlight's tensor-core rule in the kernel's block shape
+  in float32, padded to whole tiles, is scheduled by dlight's tensor-core rule in the kernel's block shape
   (``tensor_core_stages``, ``codegen.tensor_core``): wmma fragments fed from shared-memory
   slices, one candidate per tile size; folded and carried like ``matmul``.
 
@@ -520,7 +520,8 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS) -> list[tupl
     for tile in TILES:
         scheduled = tensor_core_schedule(func, tile, threads)
         stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads, tile.pipelined)
-        if stage is not None:
+        # a padded tile's box is what it writes; its warps work on the whole tile
+        if stage is not None and stage[1].outputs >= MATMUL_MIN_USE * stage[1].n_tiles * tile.rows * tile.columns:
             found.append((stage[0], dataclasses.replace(stage[1], tensor_core_tile=tile)))
     return found
 

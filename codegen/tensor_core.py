@@ -30,10 +30,14 @@ fragments a ``TensorCoreTile`` says, for ``threads / 32`` warps:
 TVM registers wmma intrinsics for float16 operands only; bfloat16's (m16n16k16, sm_80 and up) are
 registered here from TVM's own generators (``wmma_intrinsics``).
 
+A GEMM whose sizes are not whole tiles is padded as dlight pads it (``pad_einsum``): the rows,
+columns and terms past its edges read as zeros and are not stored (Swin's 196 tokens, ResNeXt's
+14 x 14 and 7 x 7 feature maps). TVM's CUDA lowering puts each padded vector load under a branch,
+which reads nothing past the operand; the columns and terms must be whole vectors of ``VECTOR``, so
+that the branch's condition holds for every element of the vector or for none.
+
 Left out: dlight's pipeline of the fragments' loads within a chunk (a third stage, two copies of
-every fragment: registers the 128 x 128 tiles do not have). A stage whose sizes are not whole
-tiles is not scheduled here (dlight pads it, reading its operands under a condition with vector
-loads, which the SIMT rule refuses for the same reason).
+every fragment: registers the 128 x 128 tiles do not have).
 """
 
 from __future__ import annotations
@@ -147,8 +151,8 @@ def pipeline_chunks(sch: s_tir.Schedule, chunk, copies) -> None:
 def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int) -> s_tir.Schedule | None:
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
     without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
-    ``threads`` threads, or None where it does not fit: other dtypes, not GEMM-shaped, sizes not
-    whole tiles, or a tile of other than ``threads / 32`` warps. Its tiles are bound to
+    ``threads`` threads, padded to whole tiles, or None where it does not fit: other dtypes, not
+    GEMM-shaped, columns or terms not whole vectors, or a tile of other than ``threads / 32`` warps. Its tiles are bound to
     ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them."""
     if tile.warps * WARP != threads:
         return None
@@ -180,8 +184,11 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     if extents is None:
         return None
     _, rows, columns, depth = extents
-    if rows % tile.rows or columns % tile.columns or depth % tile.depth:
-        return None
+    if columns % VECTOR or depth % VECTOR:
+        return None  # a padded vector would be read or stored in part: the condition must hold for all of it
+    # dlight's padding: rows, columns and terms past the GEMM's read as zeros (a branch around each
+    # vector load, whose condition is the same for the vector's elements) and not stored
+    sch.pad_einsum(main, [1, tile.rows, tile.columns, tile.depth])
     batch, i, j, k = sch.get_loops(main)
     i, i_inner = sch.split(i, [None, FRAGMENT])
     j, j_inner = sch.split(j, [None, FRAGMENT])

@@ -78,10 +78,27 @@ def test_a_dense_gets_one_candidate_per_tile_that_fits_it():
 
 def test_tensor_cores_are_not_used_where_they_do_not_fit():
     assert tensor_core_stages(_dense(256, 256, 128, "float32")) == []  # float32 operands: the SIMT rule
-    assert tensor_core_stages(_dense(256, 256, 100)) == []  # the reduction is no whole chunk of 64
-    assert [s.box for _, s in tensor_core_stages(_dense(192, 192, 64))] == [(64, 64)]  # whole 64 x 64 tiles only
+    assert tensor_core_stages(_dense(256, 256, 98)) == []  # a padded vector of terms would be read in part
+    assert tensor_core_stages(_dense(256, 190, 64)) == []  # ... or a padded vector of outputs stored in part
+    # 40 rows: 128-row tiles would be a third used; the 64-row ones write boxes of 40 rows
+    assert [(s.tensor_core_tile, s.box) for _, s in tensor_core_stages(_dense(40, 256, 64))] == \
+        [(TILES[1], (40, 128)), (TILES[2], (40, 64))]
     assert tensor_core_stages(_dense(16, 64, 64)) == []  # fewer outputs than one SIMT tile
     assert matmul_stage(_dense(256, 256, 128)) is not None  # the SIMT form stays a candidate
+
+
+def test_a_gemm_of_partial_tiles_is_padded_and_only_its_own_elements_are_written():
+    """dlight's padding (``pad_einsum``): 100 x 132 outputs in 64 x 64 tiles, 72 terms in two
+    chunks of 64. The tiles write the GEMM's elements only, and each read of an operand past its
+    edge is a branch around the vector load."""
+    (stage,) = tensor_core_stages(_dense(100, 132, 72))  # larger tiles would be less than half used
+    func, schedule = stage
+    assert schedule.box == (64, 64) and schedule.n_tiles == 2 * 3
+    tiles = isl.Map(schedule.tile_relation)
+    assert tiles.range().is_equal(isl.Set("{ [i, j] : 0 <= i < 100 and 0 <= j < 132 }"))
+    assert tiles.reverse().is_single_valued()
+    text = func.script()
+    assert "< 100" in text and "< 132" in text and "< 72" in text  # the rows', columns' and terms' edges
 
 
 def _relu_dense(m: int, n: int, k: int, narrow=np.float16):
@@ -127,6 +144,24 @@ def test_the_validator_reads_wmma_tiles_and_catches_a_missing_syncthreads():
 
 
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_the_validator_catches_a_padded_tile_read_or_stored_past_the_gemm():
+    """A padded tile's loads past the operands' edges are under a branch, its stores past the
+    output's under a condition: without either, the validator finds the access out of bounds."""
+    kernel = _kernel(_relu_dense(100, 132, 72)[0])
+    assert mutants.validate(kernel).violations == ()
+    unguarded_loads = kernel.func.with_body(mutants.rewrite(
+        kernel.func.body, lambda s: s,
+        lambda e: e.args[1] if isinstance(e, tvm.ir.Call) and e.op.name == "prim.if_then_else" else e))
+    assert not unguarded_loads.same_as(kernel.func)
+    assert any("outside" in v for v in mutants.validate(kernel, unguarded_loads).violations)
+    (gemm,) = [loop for loop in mutants.tile_loops(kernel.func) if "mma_sync" in str(loop)]
+    (guarded,) = [s for s in mutants.statements(gemm.body) if isinstance(s, tirx.IfThenElse) and any(
+        isinstance(store, tirx.BufferStore) and store.buffer.scope() == "global" for store in mutants.statements(s.then_case))]
+    unguarded_stores = mutants.replace_one(kernel.func, guarded, guarded.then_case)
+    assert any("outside" in v for v in mutants.validate(kernel, unguarded_stores).violations)
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
 def test_a_tensor_core_stage_with_half_its_warps_is_caught():
     kernel = _kernel(_relu_dense(128, 128, 128)[0])
     faults = [(what, make) for what, make in mutants.sites(kernel)["fewer_threads"] if what.startswith("stage 1")]
@@ -151,7 +186,8 @@ def test_a_wmma_operation_on_half_a_warp_is_caught():
 @needs_gxx
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
 @pytest.mark.parametrize("precision", NARROW)
-@pytest.mark.parametrize("m, n, k", [(128, 128, 320), (64, 256, 128), (256, 192, 128)])  # each tile first; 5 chunks: 3 in the pipeline's loop
+# each tile first; 5 chunks: 3 in the pipeline's loop; rows, columns and terms padded
+@pytest.mark.parametrize("m, n, k", [(128, 128, 320), (64, 256, 128), (256, 192, 128), (100, 132, 72)])
 def test_tensor_core_stages_match_numpy_on_emulated_threads(m, n, k, precision):
     graph, inputs, expected = _relu_dense(m, n, k, NARROW[precision])
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
@@ -169,8 +205,8 @@ def test_bert_on_tensor_cores_matches_pytorch_on_emulated_threads(precision):
     inputs = models.make_inputs("bert", BERT_GEMMS, seed=0)
     expected = models.reference("bert", BERT_GEMMS, graph.weights, precision)(inputs)
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
-    # QKV, attention output, FFN1 and FFN2; Q.K^T and P.V reduce or produce 32 per head, under one tile
-    assert sum(s.schedule.template == "tensor_core" for s in model.kernel_plan.staged.stages()) == 4
+    # all six GEMMs: Q.K^T's 32 terms a head and P.V's 32 columns padded to tiles of 64
+    assert sum(s.schedule.template == "tensor_core" for s in model.kernel_plan.staged.stages()) == 6
     rtol, atol = models.tolerance("bert", "tiny", precision)
     for order in ("ascending", "descending"):
         for output, reference in zip(model.schedule(order, model.emulator.sms + 1, seed=5).run(inputs), expected):

@@ -45,8 +45,11 @@ const char* const WARP_OP_NAMES[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_do
 
 // Persistent kernels may need hundreds of blocks (on-chip weight slices), so tens of thousands
 // of fibers: their stacks are one mapping, touched only as deep as a thread goes, each with a
-// canary at its bottom checked whenever the thread yields.
-constexpr size_t STACK_BYTES = 64 * 1024;
+// canary at its bottom checked whenever the thread yields. A thread's wmma fragments are on its
+// stack, whole (1 KiB per float32 accumulator): a 128 x 128 tensor-core tile's 8 accumulators and
+// 6 operand fragments take 11 KiB, and each tensor-core stage of a kernel declares its own, so a
+// BERT layer of six such stages overflowed 64 KiB.
+constexpr size_t STACK_BYTES = 256 * 1024;
 constexpr uint64_t CANARY = 0x5eedf00dcafebabeull;
 constexpr int NOBODY = -1;
 
