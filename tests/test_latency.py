@@ -168,6 +168,28 @@ def test_idle_lanes_slow_the_arithmetic():
     assert idle.times["fp"] == pytest.approx(2 * busy.times["fp"])  # 2 blocks x 32 threads fill half of 128 lanes
 
 
+def test_padded_tiles_take_the_time_of_their_flops_and_count_their_useful_ones():
+    """A GEMM padded to whole tiles multiplies zeros at full cost: its arithmetic takes the
+    issued FLOPs' time, its share of peak counts the useful FLOPs."""
+    exact = estimate_stage(_work(flops=10**9), H100)
+    padded = estimate_stage(_work(flops=10**9, issued_flops=2 * 10**9), H100)
+    assert padded.times["fp"] == pytest.approx(2 * exact.times["fp"])
+    assert padded.fraction_of_peak == pytest.approx(10**9 / (padded.seconds * H100.peak("float32")))
+
+
+def test_a_padded_tensor_core_stage_issues_its_whole_tiles(monkeypatch):
+    monkeypatch.setattr("codegen.stage.stage_seconds", lambda stage, device, traffic: stage.schedule.template != "tensor_core")
+    b = GraphBuilder("padded")
+    graph = b.build(b.op("dense", b.input("x", (100, 72)), b.param("w", np.ones((132, 72), np.float32))))
+    staged = run_passes(graph, "cuda", stop="plan_arena", precision="fp16").ir
+    (stage,) = [s for s in staged.stages() if s.schedule.template == "tensor_core"]
+    (work,) = [w for w in stage_works(staged, H100) if w.template == "tensor_core"]
+    tile = stage.schedule.tensor_core_tile
+    chunks = -(-72 // tile.depth)
+    assert work.flops == 2 * 100 * 132 * 72
+    assert work.issued_flops == 2 * stage.schedule.n_tiles * tile.rows * tile.columns * chunks * tile.depth
+
+
 def test_barriers_and_launches_add_their_cost():
     works = [_work()]
     plain = estimate_program("m", works, 0, 1, 0, H100)
