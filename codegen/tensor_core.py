@@ -152,8 +152,9 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
     without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
     ``threads`` threads, padded to whole tiles, or None where it does not fit: other dtypes, not
-    GEMM-shaped, columns or terms not whole vectors, or a tile of other than ``threads / 32`` warps. Its tiles are bound to
-    ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them."""
+    GEMM-shaped, columns or terms not whole vectors, or a tile of other than ``threads / 32``
+    warps. Its tiles are bound to ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds
+    them."""
     if tile.warps * WARP != threads:
         return None
     sch = s_tir.Schedule(func)

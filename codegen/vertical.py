@@ -11,7 +11,11 @@ add and cast followed by the slices, reshapes and transposes that lead to anothe
 GEMM. Stored before the chain, it is one TE in the GEMM's own layout, which ``fuse_epilogues``
 runs in the GEMM's tiles, and the layout TEs are pure index maps the next GEMM reads through.
 Where it reads the GEMM through a reshape (Swin's GELU over [1, 56, 56, 512] of a [3136, 512]
-product), it is stored in the GEMM's shape and its readers read it through the reshape.
+product), it is stored in the GEMM's shape and its readers read it through the reshape. So is an
+element-wise TE stored for another reason (a reduction reads it) that reads a reduction through a
+reshape, each result at its own position: Swin's relative position bias added to the [256, 49, 49]
+scores read as [64, 4, 49, 49], which the softmax reads. In the scores' shape it is their epilogue
+(``codegen.epilogues``), not a stage of its own behind a grid barrier.
 """
 
 from __future__ import annotations
@@ -114,6 +118,12 @@ def _inline_region(region: Region, renamed: dict) -> Region:
                 stored, inlined[stage.op] = relaid
                 new[stage.op] = renamed[stage.op] = stored
                 continue
+        elif stage.op not in kept and _element_wise(rebuilt) and \
+                (relaid := _in_producer_shape(rebuilt, reshaped_only=True)) is not None:
+            # stored in its reduction's shape, it is that reduction's epilogue (``codegen.epilogues``)
+            stored, inlined[stage.op] = relaid
+            new[stage.op] = renamed[stage.op] = stored
+            continue
         new[stage.op] = rebuilt
         renamed[stage.op] = rebuilt
     tensors = {name: new.get(t.op, t) for name, t in region.tensors.items() if t.op not in inlined}
@@ -142,15 +152,19 @@ def _anchored(stage: te.Tensor, rebuilt: te.Tensor, users: list[te.Tensor], lead
             and _read_whole(stage, users))
 
 
-def _in_producer_shape(tensor: te.Tensor) -> tuple[te.Tensor, te.Tensor] | None:
+def _in_producer_shape(tensor: te.Tensor, reshaped_only: bool = False) -> tuple[te.Tensor, te.Tensor] | None:
     """``tensor`` as (the same values stored in the shape of the one reduction it reads through a
     reshape, that stored TE read back through the reshape), or None: it reads no reduction of
     another shape and its own size, or reading it in that shape is not reading each result at its
-    own index (once simplified)."""
+    own index (once simplified). With ``reshaped_only``, also None where the shapes differ only
+    by axes of extent 1, which ``codegen.epilogues`` reads as the same index already (a batched
+    product (heads, S, S) read as (1, heads, S, S))."""
     size = _size(tensor.shape)
     shapes = {tuple(int(d) for d in t.shape) for t in tensor.op.input_tensors
               if _is_reduction(t) and _size(t.shape) == size}
     shapes.discard(tuple(int(d) for d in tensor.shape))
+    if reshaped_only:
+        shapes = {shape for shape in shapes if _squeezed(shape) != _squeezed(tensor.shape)}
     if len(shapes) != 1:
         return None
     (shape,) = shapes
@@ -163,6 +177,14 @@ def _in_producer_shape(tensor: te.Tensor) -> tuple[te.Tensor, te.Tensor] | None:
     view = te.compute(tensor.shape, lambda *a: stored(*_reshape_index(a, tensor.shape, shape)),
                       name=f"{tensor.op.name}_view")
     return stored, view
+
+
+def _squeezed(shape) -> list[int]:
+    return [int(d) for d in shape if int(d) != 1]
+
+
+def _element_wise(tensor: te.Tensor) -> bool:
+    return isinstance(tensor.op, te.ComputeOp) and not tensor.op.reduce_axis and len(tensor.op.body) == 1
 
 
 def _is_reduction(tensor: te.Tensor) -> bool:

@@ -178,7 +178,8 @@ def test_padded_tiles_take_the_time_of_their_flops_and_count_their_useful_ones()
 
 
 def test_a_padded_tensor_core_stage_issues_its_whole_tiles(monkeypatch):
-    monkeypatch.setattr("codegen.stage.stage_seconds", lambda stage, device, traffic: stage.schedule.template != "tensor_core")
+    monkeypatch.setattr("codegen.stage.stage_seconds",
+                        lambda stage, device, traffic: stage.schedule.template != "tensor_core")
     b = GraphBuilder("padded")
     graph = b.build(b.op("dense", b.input("x", (100, 72)), b.param("w", np.ones((132, 72), np.float32))))
     staged = run_passes(graph, "cuda", stop="plan_arena", precision="fp16").ir

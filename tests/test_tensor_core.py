@@ -155,8 +155,9 @@ def test_the_validator_catches_a_padded_tile_read_or_stored_past_the_gemm():
     assert not unguarded_loads.same_as(kernel.func)
     assert any("outside" in v for v in mutants.validate(kernel, unguarded_loads).violations)
     (gemm,) = [loop for loop in mutants.tile_loops(kernel.func) if "mma_sync" in str(loop)]
-    (guarded,) = [s for s in mutants.statements(gemm.body) if isinstance(s, tirx.IfThenElse) and any(
-        isinstance(store, tirx.BufferStore) and store.buffer.scope() == "global" for store in mutants.statements(s.then_case))]
+    (guarded,) = [s for s in mutants.statements(gemm.body) if isinstance(s, tirx.IfThenElse)
+                  and any(isinstance(store, tirx.BufferStore) and store.buffer.scope() == "global"
+                          for store in mutants.statements(s.then_case))]
     unguarded_stores = mutants.replace_one(kernel.func, guarded, guarded.then_case)
     assert any("outside" in v for v in mutants.validate(kernel, unguarded_stores).violations)
 

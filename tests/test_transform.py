@@ -160,3 +160,38 @@ def test_every_level_matches_pytorch_on_the_cpu(name):
             np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=f"{name} O{level}")
         moved.append(memory_traffic(model.plan).total_bytes)
     assert moved[4] < moved[0], f"{name}: static bytes moved at O0..O4: {moved}"
+
+
+def _windowed_attention():
+    """Swin's attention probabilities, small: a batched product over windows x heads (16 = 4 x 4),
+    read through a reshape to (windows, heads, S, S) by the relative position bias add, then the
+    softmax."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("windows")
+    q = b.input("q", (16, 32, 16))
+    k = b.param("k", rng.standard_normal((16, 32, 16)).astype("float32"))
+    bias = b.param("bias", rng.standard_normal((1, 4, 32, 32)).astype("float32"))
+    scores = b.op("batch_matmul", q, k, transpose_b=True)
+    return b.build(b.op("softmax", b.op("add", b.op("reshape", scores, shape=(4, 4, 32, 32)), bias, name="biased")))
+
+
+@pytest.mark.parametrize("target", ["llvm-persistent", "cuda-emulated"])
+def test_a_gemm_read_through_a_reshape_takes_its_reader_as_epilogue(target):
+    """The bias add reads each score at its own row-major position: stored in the scores' shape
+    (``codegen.vertical``), with the softmax reading it through the reshape, it runs in the
+    product's tiles, its result stored once, on the CPU and on the GPU's threads."""
+    graph = _windowed_attention()
+    q = np.random.default_rng(1).standard_normal((16, 32, 16)).astype("float32")
+    scores = (q @ graph.weights["k"].transpose(0, 2, 1)).reshape(4, 4, 32, 32) + graph.weights["bias"]
+    expected = np.exp(scores - scores.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    model = souffle.compile(graph, target, opt_level=4)
+    stages = (model.kernel_plan.staged if target == "cuda-emulated" else model.plan).stages()
+    product = stages[0]
+    assert product.epilogue is not None and [int(d) for d in product.tensor.shape] == [16, 32, 32]
+    assert not [s.name for s in stages[1:] if "add" in s.name or "biased" in s.name]
+    if target == "cuda-emulated":
+        (out,) = model.schedule("descending", model.emulator.sms, seed=5).run({"q": q})
+    else:
+        (out,) = run_poisoned(model, {"q": q})
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
