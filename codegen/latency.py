@@ -48,7 +48,7 @@ from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork,
                               estimate_program, estimate_stage)
 from codegen.partition import stage_registers
-from codegen.schedule import MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL_VTHREADS, WARP
+from codegen.schedule import MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL_VTHREADS, WARP, epilogue_reduction
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
 from codegen.tensor_core import FRAGMENT
 from codegen.tensor_core import VECTOR as TENSOR_CORE_VECTOR
@@ -184,7 +184,7 @@ def _reduction(stage: Stage) -> te.Tensor | None:
     """The reduction ``stage`` computes: its TE, or the one fused into its epilogue; None if element-wise."""
     if stage.epilogue is None:
         return stage.tensor if stage.tensor.op.reduce_axis else None
-    return next(t for t in stage.tensor.op.input_tensors if getattr(t.op, "reduce_axis", None))
+    return epilogue_reduction(stage.tensor)
 
 
 def _reduction_length(reduction: te.Tensor) -> int:

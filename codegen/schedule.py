@@ -276,8 +276,7 @@ def widened_operands(tensor: te.Tensor) -> te.Tensor:
     matmul then casts as it copies them into float32 slices, whose rows nvcc reads four terms per
     128-bit load, where it reads float16 slices one half at a time (``ld.shared.u16`` in its
     PTX). ``tensor`` itself where there is nothing to widen."""
-    reduction = tensor if tensor.op.reduce_axis else next(
-        (t for t in tensor.op.input_tensors if getattr(t.op, "reduce_axis", None)), None)
+    reduction = tensor if tensor.op.reduce_axis else epilogue_reduction(tensor)
     if reduction is None or str(reduction.dtype) != "float32":
         return tensor
     narrow = {t.op: t for t in reduction.op.input_tensors if str(t.dtype) in ("float16", "bfloat16")}
@@ -289,6 +288,11 @@ def widened_operands(tensor: te.Tensor) -> te.Tensor:
         return widened
     return recompute(tensor, lambda t, idx, _: (widened if t.op.same_as(reduction.op) else t)(*idx),
                      f"widening {tensor.op.name}")
+
+
+def epilogue_reduction(epilogue: te.Tensor) -> te.Tensor | None:
+    """The reduction an epilogue reads (its first input that is one), or None."""
+    return next((t for t in epilogue.op.input_tensors if getattr(t.op, "reduce_axis", None)), None)
 
 
 def _as_float32(tensor: te.Tensor) -> te.Tensor:

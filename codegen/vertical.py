@@ -50,7 +50,7 @@ def inlinable(stage: te.Tensor, consumers: list[te.Tensor]) -> bool:
     padding), since arithmetic there would be redone for every reduction step.
     """
     op = stage.op
-    if not isinstance(op, te.ComputeOp) or op.reduce_axis or len(op.body) != 1 or not consumers:
+    if not _element_wise(stage) or not consumers:
         return False
     nested, selects = nested_expanded_calls(op.body[0]), nested_selects(op.body[0])
     if any(nested + _nested(c, nested_expanded_calls) > MAX_NESTED_EXPANDED_CALLS
@@ -110,17 +110,16 @@ def _inline_region(region: Region, renamed: dict) -> Region:
     for stage in stages:
         rebuilt = _rebuild(stage, inlined, new)
         users = readers.get(stage.op, [])
+        relaid = None
         if stage.op not in kept and inlinable(rebuilt, users):
             if not _anchored(stage, rebuilt, users, leads_to_reduction):
                 inlined[stage.op] = rebuilt
                 continue
-            if (relaid := _in_producer_shape(rebuilt)) is not None:
-                stored, inlined[stage.op] = relaid
-                new[stage.op] = renamed[stage.op] = stored
-                continue
-        elif stage.op not in kept and _element_wise(rebuilt) and \
-                (relaid := _in_producer_shape(rebuilt, reshaped_only=True)) is not None:
+            relaid = _in_producer_shape(rebuilt)
+        elif stage.op not in kept and _element_wise(rebuilt):
             # stored in its reduction's shape, it is that reduction's epilogue (``codegen.epilogues``)
+            relaid = _in_producer_shape(rebuilt, reshaped_only=True)
+        if relaid is not None:
             stored, inlined[stage.op] = relaid
             new[stage.op] = renamed[stage.op] = stored
             continue
@@ -136,8 +135,8 @@ def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: s
     lead to one. A layout TE, as written in the program, is one load at an index of its axes (a
     reshape, transpose or slice): a padding, a roll (a load chosen by a condition) or a relu (a
     value chosen by a value) is none, since the GEMM rules take no condition inside an operand."""
-    layout = {s.op for s in stages if isinstance(s.op, te.ComputeOp) and not s.op.reduce_axis
-              and len(s.op.body) == 1 and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
+    layout = {s.op for s in stages
+              if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
     leads: set = set()
     for stage in reversed(stages):  # readers come after their producers
         if any(r.op.reduce_axis or (r.op in layout and r.op in leads) for r in readers.get(stage.op, [])):
@@ -184,6 +183,7 @@ def _squeezed(shape) -> list[int]:
 
 
 def _element_wise(tensor: te.Tensor) -> bool:
+    """One value per element, no reduction."""
     return isinstance(tensor.op, te.ComputeOp) and not tensor.op.reduce_axis and len(tensor.op.body) == 1
 
 
