@@ -37,12 +37,20 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _not_run(value) -> bool:
+    """A field a run left unmeasured: "not run (time budget)", or a check's "NOT RUN (...)"."""
+    return isinstance(value, str) and value.lower().startswith("not run")
+
+
 def merge_kernels(paths: list[Path]) -> dict[str, dict]:
+    """Each bundle's row from the first file that has it; a later file adds the fields the earlier
+    ones lack and fills those they did not run (a sanitizer cut off by the time budget)."""
     rows: dict[str, dict] = {}
     for path in paths:
         for row in _load(path)["results"]:
             row = {k: v for k, v in row.items() if k != "path"}  # where the bundle lay on the GPU machine
-            rows[row["bundle"]] = {**row, **rows.get(row["bundle"], {})}
+            earlier = rows.get(row["bundle"], {})
+            rows[row["bundle"]] = {**row, **{k: v for k, v in earlier.items() if not (_not_run(v) and k in row)}}
     return rows
 
 

@@ -38,6 +38,16 @@ def test_the_first_run_keeps_its_figures_and_a_later_one_adds_its_own(tmp_path):
     assert "path" not in merged["bert_paper_O4"]
 
 
+def test_a_later_run_fills_what_an_earlier_one_did_not_run(tmp_path):
+    cut = "not run (time budget)"
+    first = _results(tmp_path / "a.json", [_kernel("swin_tiny_O4_fp16", median_ms=0.245, racecheck=cut, synccheck=cut)])
+    later = _results(tmp_path / "b.json", [_kernel("swin_tiny_O4_fp16", median_ms=0.258, racecheck=0, synccheck=0)])
+    row = gpu_report.merge_kernels([first, later])["swin_tiny_O4_fp16"]
+    assert (row["median_ms"], row["racecheck"], row["synccheck"]) == (0.245, 0, 0)
+    skipped = _results(tmp_path / "c.json", [_kernel("swin_tiny_O4_fp16", racecheck=cut)])
+    assert gpu_report.merge_kernels([later, skipped])["swin_tiny_O4_fp16"]["racecheck"] == 0
+
+
 def test_torch_rows_are_restricted_to_the_named_modes_and_failures_left_out(tmp_path):
     run1 = _results(tmp_path / "t1.json", [_torch("bert_paper_O4", "eager", 6.0),
                                             _torch("bert_paper_O4", "compile", 1.0),  # not trusted: left out
