@@ -118,6 +118,7 @@ def _checked(target: Path, check: Check, launcher: Launcher, repeat: int, warmup
     artifact, device = check.artifact, launcher.device
     outputs = launcher.run(check.inputs, poison=True)
     errors, ok = check.errors(outputs), check.passes(outputs)
+    outside, worst_excess = check.outside(outputs)
     unwritten = sum(int(np.isnan(output).sum()) for output in outputs if output.dtype.kind == "f")
     times = [t * 1e3 for t in launcher.benchmark(check.inputs, repeat=repeat, warmup=warmup)]
     again = launcher.run(check.inputs, poison=True)
@@ -125,7 +126,8 @@ def _checked(target: Path, check: Check, launcher: Launcher, repeat: int, warmup
             "device": device.name, "arch": device.arch, "kernels": len(artifact.kernels),
             "launches": sum(1 for _ in _launch_count(artifact.launches)),
             "grid": launcher.grid, "blocks_per_sm": launcher.blocks_per_sm, "threads": artifact.threads,
-            "max_abs_error": max(errors), "unwritten": unwritten,
+            "max_abs_error": max(errors), "outside_tolerance": outside, "worst_excess": worst_excess,
+            "rtol": check.rtol, "atol": check.atol, "unwritten": unwritten,
             "repeatable": all(np.array_equal(a, b, equal_nan=True) for a, b in zip(outputs, again)),
             "check": "PASS" if ok else "FAIL",
             "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "runs": len(times)}
@@ -275,6 +277,14 @@ def run(directory: Path, repeat: int, warmup: int, ncu: str | None, sanitize_glo
                    results)
 
 
+def outside_cell(row: dict) -> str:
+    """A FAIL's size: how many elements miss the tolerance, and the worst by how much."""
+    if not row.get("outside_tolerance"):
+        return ""
+    return (f"; {row['outside_tolerance']} outside rtol/atol {row['rtol']:g}/{row['atol']:g} "
+            f"by up to {row['worst_excess']:.2g}")
+
+
 def kernels_table(rows: list[dict]) -> str:
     header = ("| bundle | check (max abs error) | unwritten | launches | grid | median | min | runs "
               "| racecheck | synccheck | kernels (ncu) | DRAM read MB (ncu) | DRAM write MB (ncu) |\n"
@@ -286,7 +296,8 @@ def kernels_table(rows: list[dict]) -> str:
     device = next((r["device"] for r in rows if "device" in r), "no bundle ran")
     timelines = "".join(f"\n\n{timeline_table(r['bundle'], r['timeline'])}" for r in rows if "timeline" in r)
     return f"Device: {device}\n\n" + header + "\n".join(
-        f"| {r['bundle']} | {r['check']}{cell(r, 'max_abs_error', ' ({:.2g})', '')} | {cell(r, 'unwritten')} "
+        f"| {r['bundle']} | {r['check']}{cell(r, 'max_abs_error', ' ({:.2g})', '')}{outside_cell(r)} "
+        f"| {cell(r, 'unwritten')} "
         f"| {cell(r, 'launches')} | {cell(r, 'grid')}{cell(r, 'blocks_per_sm', ' ({}/SM)', '')} "
         f"| {cell(r, 'median_ms', '{:.3f} ms')} | {cell(r, 'min_ms', '{:.3f} ms')} | {cell(r, 'runs')} "
         f"| {cell(r, 'racecheck')} | {cell(r, 'synccheck')} | {cell(r, 'ncu_launches')} "

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
-from gpu_kernels import timeline_table
+from gpu_kernels import outside_cell, timeline_table
 from gpu_variants import VARIANTS, split
 
 TORCH_MODES = ("eager", "cuda-graph", "reduce-overhead", "compile", "max-autotune")
@@ -73,7 +73,7 @@ def kernels_table(kernels: dict[str, dict], static: dict[str, dict]) -> str:
              "| median ms | estimate ms | racecheck | synccheck |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in sorted(kernels.items()):
         est = static.get(name, {})
-        err = f" ({r['max_abs_error']:.2g})" if "max_abs_error" in r else ""
+        err = (f" ({r['max_abs_error']:.2g})" if "max_abs_error" in r else "") + outside_cell(r)
         lines.append(f"| {name} | {r['check']}{err} | {r.get('unwritten', '-')} | {r.get('repeatable', '-')} "
                      f"| {r.get('launches', '-')} | {r.get('grid', '-')} ({r.get('blocks_per_sm', '-')}) "
                      f"| {_ms(r.get('median_ms'))} | {_ms(est.get('estimate_ms'))} ({est.get('device', '-')}) "

@@ -344,3 +344,14 @@ def test_a_compiled_model_gives_the_launcher_its_inputs_in_their_shapes(export, 
     monkeypatch.setattr(model, "_gpu", launcher)
     model(**models.make_inputs("mmoe", "tiny"))
     assert device.calls[0] == ("upload", (10,)) and "launch" in device.calls
+
+
+def test_a_check_counts_the_elements_outside_its_tolerance_and_the_worst_excess():
+    from souffle.runtime.check import Check
+
+    expected = np.array([1.0, 2.0, -4.0, 0.0], dtype=np.float32)
+    check = Check(None, [], [expected], rtol=0.1, atol=0.05)  # bounds 0.15, 0.25, 0.45, 0.05
+    assert check.outside([expected + np.float32(0.01)]) == (0, pytest.approx(-0.04))
+    count, worst = check.outside([np.array([1.2, 2.0, -4.0, 0.06], dtype=np.float32)])
+    assert (count, worst) == (2, pytest.approx(0.05, abs=1e-6)) and not check.passes([expected + 0.2])
+    assert check.outside([np.array([1.0, np.nan, -4.0, 0.0], dtype=np.float32)]) == (1, np.inf)

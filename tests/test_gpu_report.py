@@ -105,3 +105,23 @@ def test_a_variant_is_set_beside_its_base_with_its_question():
     assert "| lstm_paper_O4 | no-on-chip | PASS | 1.500 (132, 1) | 1.000 (792, 6) | 1.50x | - | 0.700 |" in table
     assert "| bert_paper_O4_fp16 | two-blocks | PASS | not run | 1.800 (132, 1) | - | - | - |" in table
     assert gpu_report.variants_table({"lstm_paper_O4": kernels["lstm_paper_O4"]}, {}) == "No variant was run."
+
+
+def test_a_failed_check_row_says_how_many_elements_miss_the_tolerance_and_by_how_much():
+    import types
+
+    import numpy as np
+    import gpu_kernels
+    from souffle.runtime.check import Check
+
+    expected = np.array([1.0, 2.0, -4.0], dtype=np.float32)
+    artifact = types.SimpleNamespace(model="bert", config="paper", kernels=[object()], launches=[], threads=256)
+    check = Check(artifact, [], [expected], rtol=0.05, atol=0.05)
+    got = np.array([1.0, 2.2, -4.0], dtype=np.float32)  # 0.2 off where 0.15 is allowed
+    launcher = types.SimpleNamespace(device=types.SimpleNamespace(name="NVIDIA H100", arch="sm_90"), grid=132,
+                                     blocks_per_sm=1, run=lambda inputs, poison: [got.copy()],
+                                     benchmark=lambda inputs, repeat, warmup: [1e-3] * repeat)
+    row = gpu_kernels._checked(Path("bert_paper_O4_bf16"), check, launcher, repeat=3, warmup=1)
+    assert (row["check"], row["outside_tolerance"], row["repeatable"]) == ("FAIL", 1, True)
+    assert row["worst_excess"] == pytest.approx(0.05, abs=1e-6)
+    assert "FAIL (0.2); 1 outside rtol/atol 0.05/0.05 by up to 0.05 |" in gpu_kernels.kernels_table([row])

@@ -55,6 +55,18 @@ class Check:
     def passes(self, outputs: list[np.ndarray]) -> bool:
         return all(np.allclose(o, e, rtol=self.rtol, atol=self.atol) for o, e in zip(outputs, self.expected))
 
+    def outside(self, outputs: list[np.ndarray]) -> tuple[int, float]:
+        """How many elements miss ``passes``'s bound, |o - e| <= atol + rtol * |e|, and by how much
+        the worst one does (<= 0 when none does): a FAIL at one element by rounding differs from a
+        wrong kernel. A NaN counts as missing it, by infinity."""
+        count, worst = 0, -np.inf
+        for o, e in zip(outputs, self.expected):
+            excess = np.abs(o.astype(np.float64) - e) - (self.atol + self.rtol * np.abs(e.astype(np.float64)))
+            excess = np.where(np.isnan(excess), np.inf, excess)
+            count += int(np.count_nonzero(excess > 0))
+            worst = max(worst, float(excess.max(initial=-np.inf)))
+        return count, worst
+
 
 def _arrays(path: Path, slots: dict[str, TensorSlot], role: str) -> list[np.ndarray]:
     """The archive's arrays, one per slot in order (keyed as ``slots``), each of its slot's shape and dtype."""
