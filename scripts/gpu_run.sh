@@ -15,9 +15,10 @@
 # on the tiny O3 and O4 kernels; the paper O4 kernels' timelines (the stages between grid
 # barriers, timed) and ncu's DRAM bytes and launches; PyTorch eager, CUDA graphs, torch.compile
 # (reduce-overhead, default, max-autotune) on the same weights and inputs.
-# OUT gets device.txt, pytest_gpu.txt, gpu_barrier.{json,md} (the cost of a grid barrier by grid size,
+# OUT gets gpu_barrier.{json,md} (the cost of a grid barrier by grid size,
 # where BUNDLES has the barrier/ benchmarks/gpu_barrier.py exports), gpu_kernels.{json,md},
-# gpu_torch.{json,md} and log.txt.
+# gpu_torch.{json,md} and log.txt (the GPU, driver, commit and tools, and pytest's summary, first):
+# 7 files, within the 8 a lent GPU machine sends back.
 #
 # What a run that follows an earlier one should measure first can be set in the environment (the
 # defaults in brackets): FIRST, the bundles checked and timed first ['*+*' '*_paper_O4*'
@@ -33,13 +34,13 @@ exec > >(tee "$out/log.txt") 2>&1
 start=$SECONDS
 left() { echo $((seconds - (SECONDS - start))); }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/device.txt"
-echo "commit ${SOUFFLE_COMMIT:-unknown}; $($python -c 'import torch; print("torch", torch.__version__)')" | tee -a "$out/device.txt"
-echo "tools: $(command -v nvcc ncu compute-sanitizer | tr '\n' ' ')" | tee -a "$out/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+echo "commit ${SOUFFLE_COMMIT:-unknown}; $($python -c 'import torch; print("torch", torch.__version__)')"
+echo "tools: $(command -v nvcc ncu compute-sanitizer | tr '\n' ' ')"
 
 echo "== pytest -m gpu ($(left) s left)"
 SOUFFLE_GPU_ARTIFACTS=$bundles timeout 90 $python -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_runtime_cuda.py tests/test_gpu.py 2>&1 | tail -40 | tee "$out/pytest_gpu.txt"
+    tests/test_runtime_cuda.py tests/test_gpu.py 2>&1 | tail -40
 
 if [ -d "$bundles/barrier" ]; then
     echo "== grid barrier cost ($(left) s left)"
