@@ -33,6 +33,7 @@ from codegen.horizontal import horizontal
 from codegen.llvm import CpuModule, build, persistent_cpu_function
 from codegen.on_chip import keep_weights_on_chip
 from codegen.partition import partition_kernels
+from codegen.scale_past_matmul import scale_past_matmul
 from codegen.schedule import THREADS
 from codegen.schedule_cpu import schedule_cpu
 from codegen.stage import stage_program
@@ -81,6 +82,8 @@ TRANSFORMS = (
     Pass("wavefront", lambda graph, _: Outcome(*wavefront(graph)), GRAPH, from_level=1, section="transform"),
     PRECISION,
     Pass("horizontal", lambda graph, _: Outcome(*horizontal(graph)), GRAPH, from_level=1, section="transform"),
+    Pass("scale_past_matmul", lambda graph, _: Outcome(*scale_past_matmul(graph)), GRAPH, from_level=2,
+         section="transform"),
     Pass("split_k", lambda graph, o: Outcome(*split_k(graph, o.device)), GRAPH, from_level=4, section="transform"),
     Pass("lower", lambda graph, _: lower_graph(graph), TE),
     Pass("vertical", lambda program, _: inline_one_relies_on_one(program), TE, from_level=2, section="transform"),

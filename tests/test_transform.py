@@ -195,3 +195,39 @@ def test_a_gemm_read_through_a_reshape_takes_its_reader_as_epilogue(target):
     else:
         (out,) = run_poisoned(model, {"q": q})
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def _scaled_queries(reads_twice: bool = False):
+    """Swin's scaled attention scores, small: the queries scaled, reshaped and transposed, then
+    multiplied with the keys; ``reads_twice``: the scaled queries are also an output."""
+    rng = np.random.default_rng(2)
+    b = GraphBuilder("attention")
+    q = b.input("q", (4, 32, 16))
+    k = b.param("k", rng.standard_normal((8, 8, 32)).astype("float32"))
+    scaled = b.op("scale", q, factor=0.25, name="scaled")
+    heads = b.op("reshape", b.op("transpose", scaled, axes=(0, 2, 1)), shape=(8, 8, 32))
+    scores = b.op("batch_matmul", b.op("reshape", heads, shape=(8, 32, 8)), k, transpose_a=False, name="scores")
+    return b.build(*([scores, scaled] if reads_twice else [scores]))
+
+
+def test_a_scale_of_a_matmul_operand_moves_to_its_result():
+    """The scale reaches the product through a transpose and reshapes, each read once: the
+    product reads the unscaled queries and its result is scaled, which vertical inlining makes
+    the product's epilogue; a scale also read elsewhere stays."""
+    from codegen.scale_past_matmul import scale_past_matmul
+
+    graph = _scaled_queries()
+    moved, notes = scale_past_matmul(graph)
+    assert [op.kind for op in moved.ops] == ["transpose", "reshape", "reshape", "batch_matmul", "scale"]
+    assert moved.ops[0].inputs == ("q",) and moved.ops[3].outputs == ("scores.unscaled",)
+    assert (moved.ops[4].inputs, moved.ops[4].outputs, moved.ops[4].attrs) == (
+        ("scores.unscaled",), ("scores",), {"factor": 0.25})
+    assert notes == ["attention/scores: the scale by 0.25 of its operand q applied to its result"]
+    kept = _scaled_queries(reads_twice=True)
+    assert scale_past_matmul(kept) == (kept, [])
+    model = souffle.compile(graph, "llvm-persistent", opt_level=4)
+    assert [s.name for s in model.plan.stages()] == ["attention_r0/scores.unscaled+scores"]
+    q = np.random.default_rng(3).standard_normal((4, 32, 16)).astype("float32")
+    expected = (q * 0.25).transpose(0, 2, 1).reshape(8, 8, 32).reshape(8, 32, 8) @ graph.weights["k"]
+    (out,) = run_poisoned(model, {"q": q})
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

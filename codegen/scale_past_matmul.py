@@ -1,0 +1,86 @@
+"""The ``scale_past_matmul`` pass (O2): a scalar ``scale`` of a matmul's operand moves to its output.
+
+Swin's attention scales the queries before their product with the keys (``q * head_dim ** -0.5``,
+as torchvision and timm write it). Stored, the scaled queries are a stage of their own, behind a
+grid barrier, in every block of the model (paper Swin: 24). Scaled after the product, the factor
+is one more element-wise op on the scores, which vertical inlining folds into the scores' GEMM
+epilogue beside the relative position bias. A scalar commutes with the layout ops between the
+scale and the product (reshape, transpose) and with the product itself, so both programs compute
+the same scores up to where they round (BERT scales after the product, as the moved form does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from souffle.graph import Graph, Op, Scan
+
+LAYOUT_OPS = ("reshape", "transpose")  # element order only: a scalar factor passes through them
+# bilinear in their two operands (``dense`` is not: its bias would be scaled too)
+MATMULS = ("batch_matmul", "matmul")
+
+
+def scale_past_matmul(graph: Graph) -> tuple[Graph, list[str]]:
+    """``graph`` with each ``scale`` whose result reaches a matmul's operand through layout ops
+    alone, each read once, applied to the matmul's result instead (scan bodies included), and
+    one note per move; ``graph`` itself is not changed."""
+    notes: list[str] = []
+    return _rewritten(graph, notes), notes
+
+
+def _moves(graph: Graph) -> dict[int, int]:
+    """scale op index -> the index of the matmul its result reaches through layout ops, each
+    tensor on the way read by one op and not a graph output."""
+    readers: dict[str, list[int]] = {}
+    for index, op in enumerate(graph.ops):
+        for name in op.inputs:
+            readers.setdefault(name, []).append(index)
+    moves = {}
+    for index, op in enumerate(graph.ops):
+        if isinstance(op, Scan) or op.kind != "scale":
+            continue
+        tensor = op.outputs[0]
+        while tensor not in graph.outputs and len(readers.get(tensor, ())) == 1:
+            reader = graph.ops[readers[tensor][0]]
+            if isinstance(reader, Scan) or len(reader.outputs) != 1:
+                break
+            if reader.kind in MATMULS and reader.inputs.count(tensor) == 1:
+                moves[index] = readers[tensor][0]
+                break
+            if reader.kind not in LAYOUT_OPS:
+                break
+            tensor = reader.outputs[0]
+    return moves
+
+
+def _rewritten(graph: Graph, notes: list[str]) -> Graph:
+    moves = _moves(graph)
+    factors: dict[int, float] = {}
+    for scale, matmul in moves.items():
+        factors[matmul] = factors.get(matmul, 1.0) * float(graph.ops[scale].attrs["factor"])
+    renamed = {graph.ops[scale].outputs[0]: graph.ops[scale].inputs[0] for scale in moves}
+    ops, changed = [], bool(moves)
+    for index, op in enumerate(graph.ops):
+        if isinstance(op, Scan):
+            body = _rewritten(op.body, notes)
+            changed |= body is not op.body
+            ops.append(op if body is op.body else dataclasses.replace(op, body=body))
+        elif index in moves:
+            continue
+        elif index in factors:
+            (result,) = op.outputs
+            unscaled = f"{result}.unscaled"
+            ops.append(Op(op.kind, tuple(renamed.get(n, n) for n in op.inputs), (unscaled,), op.attrs))
+            ops.append(Op("scale", (unscaled,), (result,), {"factor": factors[index]}))
+            notes.append(f"{graph.name}/{result}: the scale by {factors[index]:.6g} of its operand "
+                         f"{' and '.join(graph.ops[s].inputs[0] for s in moves if moves[s] == index)} "
+                         f"applied to its result")
+        else:
+            ops.append(op if not renamed.keys() & set(op.inputs) else
+                       Op(op.kind, tuple(renamed.get(n, n) for n in op.inputs), op.outputs, op.attrs))
+    if not changed:
+        return graph
+    rewritten = Graph(graph.name, graph.inputs, list(graph.params.values()), ops, graph.outputs, graph.weights,
+                      graph.recipes)
+    rewritten.weight_notes = graph.weight_notes
+    return rewritten
