@@ -1,12 +1,13 @@
-"""The ``scale_past_matmul`` pass (O2): a scalar ``scale`` of a matmul's operand moves to its output.
+"""The ``scale_past_matmul`` pass (O2): a scalar ``scale`` of a matmul's operand moves into the matmul.
 
 Swin's attention scales the queries before their product with the keys (``q * head_dim ** -0.5``,
 as torchvision and timm write it). Stored, the scaled queries are a stage of their own, behind a
-grid barrier, in every block of the model (paper Swin: 24). Scaled after the product, the factor
-is one more element-wise op on the scores, which vertical inlining folds into the scores' GEMM
-epilogue beside the relative position bias. A scalar commutes with the layout ops between the
-scale and the product (reshape, transpose) and with the product itself, so both programs compute
-the same scores up to where they round (BERT scales after the product, as the moved form does).
+grid barrier, in every block of the model (paper Swin: 24). As the matmul's ``alpha`` (cuBLAS's
+alpha), the factor multiplies the float32 accumulator before it is rounded to a narrow dtype, in
+the scores' GEMM epilogue beside the relative position bias: no stage, and no float16 product
+that would overflow unscaled. A scalar commutes with the layout ops between the scale and the
+product (reshape, transpose) and with the product itself, so both programs compute the same
+scores up to where they round.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ MATMULS = ("batch_matmul", "matmul")
 
 def scale_past_matmul(graph: Graph) -> tuple[Graph, list[str]]:
     """``graph`` with each ``scale`` whose result reaches a matmul's operand through layout ops
-    alone, each read once, applied to the matmul's result instead (scan bodies included), and
-    one note per move; ``graph`` itself is not changed."""
+    alone, each read once, folded into the matmul's ``alpha`` (scan bodies included), and one
+    note per move; ``graph`` itself is not changed."""
     notes: list[str] = []
     return _rewritten(graph, notes), notes
 
@@ -68,13 +69,12 @@ def _rewritten(graph: Graph, notes: list[str]) -> Graph:
         elif index in moves:
             continue
         elif index in factors:
-            (result,) = op.outputs
-            unscaled = f"{result}.unscaled"
-            ops.append(Op(op.kind, tuple(renamed.get(n, n) for n in op.inputs), (unscaled,), op.attrs))
-            ops.append(Op("scale", (unscaled,), (result,), {"factor": factors[index]}))
-            notes.append(f"{graph.name}/{result}: the scale by {factors[index]:.6g} of its operand "
+            alpha = float(op.attrs.get("alpha", 1.0)) * factors[index]
+            inputs = tuple(renamed.get(n, n) for n in op.inputs)
+            ops.append(Op(op.kind, inputs, op.outputs, {**op.attrs, "alpha": alpha}))
+            notes.append(f"{graph.name}/{op.outputs[0]}: the scale by {factors[index]:.6g} of its operand "
                          f"{' and '.join(graph.ops[s].inputs[0] for s in moves if moves[s] == index)} "
-                         f"applied to its result")
+                         f"applied to its product (alpha {alpha:.6g})")
         else:
             ops.append(op if not renamed.keys() & set(op.inputs) else
                        Op(op.kind, tuple(renamed.get(n, n) for n in op.inputs), op.outputs, op.attrs))

@@ -212,22 +212,51 @@ def _scaled_queries(reads_twice: bool = False):
 
 def test_a_scale_of_a_matmul_operand_moves_to_its_result():
     """The scale reaches the product through a transpose and reshapes, each read once: the
-    product reads the unscaled queries and its result is scaled, which vertical inlining makes
-    the product's epilogue; a scale also read elsewhere stays."""
+    product reads the unscaled queries and multiplies its accumulator by the factor (its
+    ``alpha``), in one stage; a scale also read elsewhere stays."""
     from codegen.scale_past_matmul import scale_past_matmul
 
     graph = _scaled_queries()
     moved, notes = scale_past_matmul(graph)
-    assert [op.kind for op in moved.ops] == ["transpose", "reshape", "reshape", "batch_matmul", "scale"]
-    assert moved.ops[0].inputs == ("q",) and moved.ops[3].outputs == ("scores.unscaled",)
-    assert (moved.ops[4].inputs, moved.ops[4].outputs, moved.ops[4].attrs) == (
-        ("scores.unscaled",), ("scores",), {"factor": 0.25})
-    assert notes == ["attention/scores: the scale by 0.25 of its operand q applied to its result"]
+    assert [op.kind for op in moved.ops] == ["transpose", "reshape", "reshape", "batch_matmul"]
+    assert moved.ops[0].inputs == ("q",) and moved.ops[3].outputs == ("scores",)
+    assert moved.ops[3].attrs == {"transpose_a": False, "alpha": 0.25}
+    assert notes == ["attention/scores: the scale by 0.25 of its operand q applied to its product (alpha 0.25)"]
     kept = _scaled_queries(reads_twice=True)
     assert scale_past_matmul(kept) == (kept, [])
     model = souffle.compile(graph, "llvm-persistent", opt_level=4)
-    assert [s.name for s in model.plan.stages()] == ["attention_r0/scores.unscaled+scores"]
+    assert len(model.plan.stages()) == 1
     q = np.random.default_rng(3).standard_normal((4, 32, 16)).astype("float32")
     expected = (q * 0.25).transpose(0, 2, 1).reshape(8, 8, 32).reshape(8, 32, 8) @ graph.weights["k"]
     (out,) = run_poisoned(model, {"q": q})
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _large_product(alpha: float):
+    """A batched product of 64 terms of 40 x 40: 102400, past float16's 65504, times ``alpha``."""
+    b = GraphBuilder("large")
+    a = b.input("a", (1, 4, 64))
+    w = b.param("w", np.full((1, 64, 4), 40.0, dtype="float32"))
+    return b.build(b.op("batch_matmul", a, w, alpha=alpha, name="product"))
+
+
+@pytest.mark.parametrize("target", ["llvm", "llvm-persistent"])
+def test_a_matmuls_alpha_scales_the_float32_accumulator_before_float16_rounds_it(target):
+    a = np.full((1, 4, 64), 40.0, dtype="float32")
+    (out,) = souffle.compile(_large_product(1 / 64), target, precision="fp16").run({"a": a})
+    np.testing.assert_array_equal(out, np.full((1, 4, 4), 1600.0))
+    (unscaled,) = souffle.compile(_large_product(1.0), target, precision="fp16").run({"a": a})
+    assert np.isinf(unscaled).all()  # what a scale applied after the rounding would have met
+
+
+def test_a_matmuls_alpha_exports_to_onnx_as_a_mul():
+    import onnx
+
+    from souffle.onnx_export import to_onnx
+
+    model = to_onnx(_large_product(0.5))
+    assert [n.op_type for n in model.graph.node] == ["MatMul", "Constant", "Mul"]
+    a = np.random.default_rng(4).standard_normal((1, 4, 64)).astype("float32")
+    (out,) = souffle.compile(souffle.from_onnx(model), "llvm").run({"a": a})
+    np.testing.assert_allclose(out, 0.5 * a @ np.full((1, 64, 4), 40.0), rtol=1e-5)
+    assert onnx.checker.check_model(model) is None

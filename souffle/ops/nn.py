@@ -55,6 +55,12 @@ def _rounded(result: te.Tensor, operand: te.Tensor) -> te.Tensor:
     return result if str(result.dtype) == str(operand.dtype) else topi.cast(result, str(operand.dtype))
 
 
+def _scaled(product: te.Tensor, alpha: float) -> te.Tensor:
+    """``alpha`` times a product, as cuBLAS's alpha: in its float32 accumulator, before any rounding
+    to a narrow dtype, so a product past float16's range that ``alpha`` brings back stays finite."""
+    return product if alpha == 1 else topi.multiply(product, tvm.tirx.const(alpha, str(product.dtype)))
+
+
 def _dense(specs, attrs):
     x, w = specs[0], specs[1]
     require_rank(w, 2, "weight (out_features, in_features)")
@@ -132,6 +138,7 @@ def _dense_onnx(e, inputs, outputs, attrs):
 def _matmul(specs, attrs):
     a, b = specs
     require_bool(attrs, "transpose_b")
+    require_finite(attrs, "alpha")
     require_same_dtype(specs)
     if len(a.shape) < 2 or len(b.shape) < 2:
         fail(f"a and b must each be at least 2-D, got shapes {list(a.shape)} and {list(b.shape)}")
@@ -153,20 +160,20 @@ def _as_batch3(tensor: te.Tensor, batch: tuple[int, ...]) -> te.Tensor:
     return _reshape(tensor, (prod(batch),) + shape[-2:])
 
 
-@register_op("matmul", infer=_matmul, n_inputs=2, attrs={"transpose_b": False})
-def matmul(inputs, transpose_b):
-    """torch.matmul for operands of rank >= 2, batch dimensions broadcast."""
+@register_op("matmul", infer=_matmul, n_inputs=2, attrs={"transpose_b": False, "alpha": 1.0})
+def matmul(inputs, transpose_b, alpha):
+    """torch.matmul for operands of rank >= 2, batch dimensions broadcast; times ``alpha``."""
     a, b = inputs
     if len(b.shape) == 2:
         # One shared right operand: a's batch dimensions fold into rows of one GEMM.
         lead = shape_of(a)[:-1]
         y = topi.nn.matmul(_reshape(a, (prod(lead), a.shape[-1])), b, transpose_b=transpose_b,
                            out_dtype=_accumulator(a))
-        return _reshape(_rounded(y, a), lead + shape_of(y)[-1:])
+        return _reshape(_rounded(_scaled(y, alpha), a), lead + shape_of(y)[-1:])
     batch = broadcast_shape(shape_of(a)[:-2], shape_of(b)[:-2])
     y = topi.nn.batch_matmul(_as_batch3(a, batch), _as_batch3(b, batch), transpose_b=transpose_b,
                              out_dtype=_accumulator(a))
-    return _reshape(_rounded(y, a), batch + shape_of(y)[1:])
+    return _reshape(_rounded(_scaled(y, alpha), a), batch + shape_of(y)[1:])
 
 
 def _swap_last_two(rank: int) -> list[int]:
@@ -179,12 +186,21 @@ def _matmul_onnx(e, inputs, outputs, attrs):
     a, b = inputs
     if attrs["transpose_b"]:
         b = e.node("Transpose", [b], perm=_swap_last_two(len(e.shape(b))))
-    e.node("MatMul", [a, b], outputs)
+    _matmul_times_alpha(e, a, b, outputs, attrs["alpha"])
+
+
+def _matmul_times_alpha(e, a, b, outputs, alpha: float):
+    """ONNX MatMul, then a Mul by ``alpha`` where it is not 1."""
+    if alpha == 1:
+        e.node("MatMul", [a, b], outputs)
+    else:
+        e.node("Mul", [e.node("MatMul", [a, b]), e.scalar(float(alpha), a)], outputs)
 
 
 def _batch_matmul(specs, attrs):
     a, b = specs
     require_bool(attrs, "transpose_a", "transpose_b")
+    require_finite(attrs, "alpha")
     require_rank(a, 3, "a")
     require_rank(b, 3, "b")
     require_same_dtype(specs)
@@ -197,12 +213,13 @@ def _batch_matmul(specs, attrs):
     return [((batch_a, m, n), a.dtype)]
 
 
-@register_op("batch_matmul", infer=_batch_matmul, n_inputs=2, attrs={"transpose_a": False, "transpose_b": False})
-def batch_matmul(inputs, transpose_a, transpose_b):
-    """torch.bmm, with either operand optionally stored transposed."""
+@register_op("batch_matmul", infer=_batch_matmul, n_inputs=2,
+             attrs={"transpose_a": False, "transpose_b": False, "alpha": 1.0})
+def batch_matmul(inputs, transpose_a, transpose_b, alpha):
+    """torch.bmm, with either operand optionally stored transposed; times ``alpha``."""
     a, b = inputs
     y = topi.nn.batch_matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=_accumulator(a))
-    return _rounded(y, a)
+    return _rounded(_scaled(y, alpha), a)
 
 
 @export_rule("batch_matmul")
@@ -212,7 +229,7 @@ def _batch_matmul_onnx(e, inputs, outputs, attrs):
         a = e.node("Transpose", [a], perm=[0, 2, 1])
     if attrs["transpose_b"]:
         b = e.node("Transpose", [b], perm=[0, 2, 1])
-    e.node("MatMul", [a, b], outputs)
+    _matmul_times_alpha(e, a, b, outputs, attrs["alpha"])
 
 
 # -- convolution -------------------------------------------------------------------------------
