@@ -789,8 +789,8 @@ REFERENCE: dict[str, Callable] = {
     "full": lambda shape, value, dtype: torch.full(_ints(shape), value,
                                                    dtype=torch.float64 if _is_float(dtype) else torch.int64),
     "dense": lambda x, w, b=None, split_k=1: F.linear(x, w, b),  # split_k: the same product
-    "matmul": lambda a, b, transpose_b: torch.matmul(a, b.transpose(-1, -2) if transpose_b else b),
-    "batch_matmul": lambda a, b, transpose_a, transpose_b: torch.bmm(
+    "matmul": lambda a, b, transpose_b, alpha: alpha * torch.matmul(a, b.transpose(-1, -2) if transpose_b else b),
+    "batch_matmul": lambda a, b, transpose_a, transpose_b, alpha: alpha * torch.bmm(
         a.transpose(1, 2) if transpose_a else a, b.transpose(1, 2) if transpose_b else b),
     "conv2d": lambda x, w, b=None, *, stride, padding, dilation, groups, split_k=1: F.conv2d(
         x, w, b, _window(stride), _window(padding), _window(dilation), groups),
