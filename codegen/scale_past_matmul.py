@@ -80,7 +80,4 @@ def _rewritten(graph: Graph, notes: list[str]) -> Graph:
                        Op(op.kind, tuple(renamed.get(n, n) for n in op.inputs), op.outputs, op.attrs))
     if not changed:
         return graph
-    rewritten = Graph(graph.name, graph.inputs, list(graph.params.values()), ops, graph.outputs, graph.weights,
-                      graph.recipes)
-    rewritten.weight_notes = graph.weight_notes
-    return rewritten
+    return graph.with_ops(ops)

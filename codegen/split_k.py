@@ -107,7 +107,4 @@ def _rewritten(graph: Graph, sms: int, notes: list[str]) -> Graph:
         ops.append(new)
     if not changed:
         return graph
-    rewritten = Graph(graph.name, graph.inputs, list(graph.params.values()), ops, graph.outputs, graph.weights,
-                      graph.recipes)
-    rewritten.weight_notes = graph.weight_notes
-    return rewritten
+    return graph.with_ops(ops)

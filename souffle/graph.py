@@ -127,6 +127,14 @@ class Graph:
         """How weight ``name`` is made from the model's weights (``souffle.recipe``)."""
         return self.recipes.get(name, ["model", name])
 
+    def with_ops(self, ops: Sequence[Op | Scan]) -> Graph:
+        """This graph with ``ops`` in place of its own: the same inputs, parameters, outputs,
+        weights, recipes and weight notes (what a graph pass's rewrite keeps)."""
+        rewritten = Graph(self.name, self.inputs, list(self.params.values()), ops, self.outputs, self.weights,
+                          self.recipes)
+        rewritten.weight_notes = self.weight_notes
+        return rewritten
+
     # -- validation -------------------------------------------------------------------------
     def _define(self, spec: TensorSpec, what: str):
         if spec.name in self.tensors:
