@@ -19,7 +19,7 @@ import tvm
 from tvm import te
 
 from analysis.dependence import access_relations, iteration_domain
-from codegen.schedule import ScheduleError, schedule_te, tiling
+from codegen.schedule import ScheduleError, schedule_te, tiling, warp_outputs
 from codegen.stage import isolate_epilogue
 from codegen.staged import tiles_of
 from souffle.lower import LoopRegion, Region, TEProgram
@@ -52,7 +52,7 @@ def epilogue_mode(producer: te.Tensor, consumer: te.Tensor, threads: int) -> str
     outputs = int(np.prod(shape))
     analyzer = tvm.sym.Analyzer()
     reduction = int(np.prod([int(analyzer.simplify(ax.dom.extent)) for ax in producer.op.reduce_axis]))
-    template, per_tile = tiling(outputs, reduction, threads)
+    template, per_tile = tiling(outputs, reduction, threads, warp_outputs(producer))
     consumer_size = int(np.prod([int(d) for d in consumer.shape]))
     if template != "warp_reduce" or (per_tile * consumer_size) % outputs:
         return None

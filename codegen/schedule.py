@@ -59,7 +59,7 @@ from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import get_root_block
 
 from analysis.affine import recompute
-from analysis.dependence import IslWriter, NotAffine
+from analysis.dependence import IslWriter, NotAffine, tensor_loads
 from codegen.stitch import align
 from codegen.tensor_core import TILES, TensorCoreTile, pipeline_chunks, tensor_core_schedule
 from souffle.errors import SouffleError
@@ -72,6 +72,9 @@ GRID_WAVE = 132 * 2  # tiles that keep a full GPU busy (H200: 132 SMs, two block
 # many. More than one makes fewer, longer tiles (paper LSTM's wavefront step: 1280 tiles of 8 gates
 # in two rounds of its 660 blocks; the ``two-rows-per-warp`` variant times 640 of 16).
 WARP_REDUCE_ROWS = 1
+# A reduction's last output axis up to this long whose outputs read the same elements (no load is
+# indexed by it: a row's moments, the sums of d and of d^2) goes to one warp whole (``warp_outputs``).
+SAME_ELEMENTS_AXIS_MAX = 4
 # A GEMM-shaped stage with at least this many outputs (one tile of dlight's matmul at 256
 # threads, 64 x 64) is scheduled by ``matmul_stage``; smaller ones by ``thread_reduce``.
 MATMUL_MIN_OUTPUTS = 64 * 64
@@ -145,19 +148,40 @@ def choose_template(spatial: int, reduction: int, threads: int = THREADS) -> str
     return "thread_reduce"
 
 
-def tiling(outputs: int, reduction: int, threads: int = THREADS) -> tuple[str, int]:
-    """(template, output elements per tile) for a stage of that shape."""
+def tiling(outputs: int, reduction: int, threads: int = THREADS, per_warp: int | None = None) -> tuple[str, int]:
+    """(template, output elements per tile) for a stage of that shape; a warp_reduce warp takes
+    ``per_warp`` outputs (``warp_outputs``; ``WARP_REDUCE_ROWS`` if not given)."""
     template = choose_template(outputs, reduction, threads)
     if template == "elementwise":
         return template, (4 if outputs >= 4 * threads * GRID_WAVE else 1) * threads
-    return template, threads // WARP * WARP_REDUCE_ROWS if template == "warp_reduce" else threads
+    return template, threads // WARP * (per_warp or WARP_REDUCE_ROWS) if template == "warp_reduce" else threads
+
+
+def warp_outputs(reduction: te.Tensor) -> int:
+    """Outputs each warp of ``reduction``'s warp_reduce tiles reduces, one after the other:
+    ``WARP_REDUCE_ROWS``, times the extent of the last output axis where that axis is short
+    (``SAME_ELEMENTS_AXIS_MAX``) and indexes none of the loads, so that its outputs read the same
+    elements. The warp's second pass then reads them from L1, and a tile holds whole rows, as the
+    tiles of the stage that made the rows' statistics do: with a warp for each of a LayerNorm's
+    two moments, a tile of 8 warps held 4 rows where the row sums' held 8, and the moments of
+    rows 4-7 were a grid barrier away from their sums (paper BERT: 25 more barriers)."""
+    if not reduction.op.reduce_axis or not reduction.op.axis:
+        return WARP_REDUCE_ROWS
+    last = reduction.op.axis[-1]
+    if int(last.dom.extent) > SAME_ELEMENTS_AXIS_MAX:
+        return WARP_REDUCE_ROWS
+    for load in tensor_loads(reduction.op.body[0]):
+        if any(v.same_as(last.var) for index in load.indices for v in tirx.analysis.undefined_vars(index)):
+            return WARP_REDUCE_ROWS
+    return WARP_REDUCE_ROWS * int(last.dom.extent)
 
 
 def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
-                   epilogue_mode: str | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
+                   epilogue_mode: str | None = None, per_warp: int | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
     """Tile the block of ``func`` (a single TE from ``te.create_prim_func``, or a reduction and
     its epilogue, see ``epilogue_mode``) for blocks of ``threads`` threads; ``gpu`` binds the
-    tile and thread loops, the CPU runs them serially."""
+    tile and thread loops, the CPU runs them serially. A warp_reduce warp takes ``per_warp``
+    outputs (``warp_outputs``)."""
     sch = s_tir.Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     if epilogue_mode is None:
@@ -180,7 +204,7 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     spatial_loops, reduce_loops = loops[:n_spatial], loops[n_spatial:]
     outputs = _product(_extent(sch, loop) for loop in spatial_loops)
     reduction = _product(_extent(sch, loop) for loop in reduce_loops)
-    template, per_tile = tiling(outputs, reduction, threads)
+    template, per_tile = tiling(outputs, reduction, threads, per_warp)
     if template == "warp_reduce" and not _lanes_can_reduce(sch, block):
         template, per_tile = "thread_reduce", threads
     fused = _outer_loop(sch, spatial_loops, loops, block)
@@ -311,7 +335,9 @@ def _own_schedule(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, t
     affine bindings.)"""
     if epilogue_mode is None and _accumulates_alone(tensor, threads):
         tensor, epilogue_mode = te.compute(tensor.shape, lambda *i: tensor(*i), name=tensor.op.name), "register"
-    func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, epilogue_mode)
+    reduction = tensor if tensor.op.reduce_axis else epilogue_reduction(tensor)
+    per_warp = None if reduction is None else warp_outputs(reduction)
+    func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, epilogue_mode, per_warp)
     if epilogue_mode is None:
         return func, schedule
     outputs = _product(int(d) for d in tensor.shape)

@@ -89,8 +89,9 @@ def isolate(tensor: te.Tensor) -> tuple[te.Tensor, list[te.Tensor], list[te.Tens
 def isolate_epilogue(producer: te.Tensor, consumer: te.Tensor) -> tuple[te.Tensor, list[te.Tensor], list[te.Tensor]]:
     """``consumer`` and the reduction ``producer`` it alone reads, as one TE graph over fresh
     placeholders: (the consumer, its placeholders, the tensors they stand for)."""
-    outside = list(dict.fromkeys([t for t in producer.op.input_tensors]
-                                 + [t for t in consumer.op.input_tensors if not t.op.same_as(producer.op)]))
+    # keyed by op: a rank-0 tensor's ``==`` raises (TVM asks for ``Tensor.equal``)
+    outside = list({t.op: t for t in [*producer.op.input_tensors, *consumer.op.input_tensors]
+                    if not t.op.same_as(producer.op)}.values())
     holders = _Placeholders(outside, producer)
     inner = recompute(producer, holders, f"staging {producer.op.name}")
     holders.twice = set()  # the epilogue's loads of a tensor the reduction reads twice take the first

@@ -40,14 +40,16 @@ def inline_one_relies_on_one(program: TEProgram) -> Outcome:
                              f"{inlined.te_count()} TEs left"])
 
 
-def inlinable(stage: te.Tensor, consumers: list[te.Tensor]) -> bool:
-    """Whether ``stage`` can be recomputed inside each consumer instead of being stored.
+def inlinable(stage: te.Tensor, consumers: list[te.Tensor], read: te.Operation | None = None) -> bool:
+    """Whether ``stage`` can be recomputed inside each consumer instead of being stored
+    (``read``: the operation the consumers read, where ``stage`` is a rebuilt form of it).
 
     It must compute each element from the elements at fixed places of its inputs (no
     reduction), and the recomputation must stay cheap: into element-wise consumers anything
-    element-wise goes; into a reduction (a GEMM reading a transposed operand) only a TE whose
-    every value is an element of an input or a constant (reshape, transpose, slice, concat,
-    padding), since arithmetic there would be redone for every reduction step.
+    element-wise goes; into a reduction only a TE whose every value is an element of an input
+    or a constant (reshape, transpose, slice, concat, padding), or one that the reduction reads
+    each element of once (``_read_once``), since arithmetic read more often (a GEMM's operand)
+    would be redone for every output that reads it.
     """
     op = stage.op
     if not _element_wise(stage) or not consumers:
@@ -56,7 +58,29 @@ def inlinable(stage: te.Tensor, consumers: list[te.Tensor]) -> bool:
     if any(nested + _nested(c, nested_expanded_calls) > MAX_NESTED_EXPANDED_CALLS
            or selects + _nested(c, nested_selects) > MAX_NESTED_SELECTS for c in consumers):
         return False
-    return selects_elements(op.body[0]) or all(not c.op.reduce_axis for c in consumers)
+    if selects_elements(op.body[0]) or all(not c.op.reduce_axis for c in consumers):
+        return True
+    return not _epilogue_of_its_size(stage) and \
+        all(not c.op.reduce_axis or _read_once(read or op, c) for c in consumers)
+
+
+def _read_once(op: te.Operation, reduction: te.Tensor) -> bool:
+    """Whether ``reduction`` reads each element of ``op`` once over all its outputs and terms
+    (softmax's sum of exp(x - max) over its row), exactly as far as isl can tell: recomputed
+    there, ``op`` costs what storing it and loading it back would, less the memory traffic.
+    Stored, softmax's exponentials were a float32 copy of the scores written in the max's tiles
+    and read twice, by the sum and by the normalization (paper BERT: 7 MB a layer)."""
+    access = access_relations(reduction).get(op)
+    return access is not None and access.exact and access.relation.is_injective()
+
+
+def _epilogue_of_its_size(stage: te.Tensor) -> bool:
+    """Whether ``stage`` reads a reduction of its own size (a convolution's activation): stored,
+    it is that reduction's epilogue (``codegen.epilogues``), computed once in the reduction's
+    tiles; inlined, it would leave the reduction to be stored in its place, and be computed
+    again by every reader."""
+    size = _size(stage.shape)
+    return any(_is_reduction(t) and _size(t.shape) == size for t in stage.op.input_tensors)
 
 
 def _nested(consumer: te.Tensor, depth) -> int:
@@ -111,7 +135,7 @@ def _inline_region(region: Region, renamed: dict) -> Region:
         rebuilt = _rebuild(stage, inlined, new)
         users = readers.get(stage.op, [])
         relaid = None
-        if stage.op not in kept and inlinable(rebuilt, users):
+        if stage.op not in kept and inlinable(rebuilt, users, stage.op):
             if not _anchored(stage, rebuilt, users, leads_to_reduction):
                 inlined[stage.op] = rebuilt
                 continue
@@ -131,22 +155,24 @@ def _inline_region(region: Region, renamed: dict) -> Region:
 
 
 def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: set) -> set:
-    """The ops one of whose readers is a reduction, or a layout TE not kept whose own readers
-    lead to one. A layout TE, as written in the program, is one load at an index of its axes (a
-    reshape, transpose or slice): a padding, a roll (a load chosen by a condition) or a relu (a
-    value chosen by a value) is none, since the GEMM rules take no condition inside an operand."""
+    """The ops one of whose readers is a layout TE not kept that is read by a reduction, or by a
+    layout TE that leads to one. A layout TE, as written in the program, is one load at an index
+    of its axes (a reshape, transpose or slice): a padding, a roll (a load chosen by a condition)
+    or a relu (a value chosen by a value) is none, since the GEMM rules take no condition inside
+    an operand."""
     layout = {s.op for s in stages
               if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
-    leads: set = set()
+    leads: set = set()  # the ops with a reader that is a reduction or a layout TE in ``leads``
     for stage in reversed(stages):  # readers come after their producers
         if any(r.op.reduce_axis or (r.op in layout and r.op in leads) for r in readers.get(stage.op, [])):
             leads.add(stage.op)
-    return leads
+    return {s.op for s in stages if any(r.op in layout and r.op in leads for r in readers.get(s.op, []))}
 
 
 def _anchored(stage: te.Tensor, rebuilt: te.Tensor, users: list[te.Tensor], leads_to_reduction: set) -> bool:
     """Whether ``stage`` (``rebuilt``, inlinable) is stored instead: its arithmetic would otherwise
-    be carried down layout TEs to the one a reduction reads, and its readers read all of it."""
+    be carried down layout TEs to the one a reduction reads, and its readers read all of it. (A
+    reduction that reads it directly reads each element once, or it would not be inlinable.)"""
     return (stage.op in leads_to_reduction and not selects_elements(rebuilt.op.body[0])
             and _read_whole(stage, users))
 

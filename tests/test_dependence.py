@@ -61,10 +61,8 @@ OPS = {
         ("T_add", [("T_multiply", O), ("T_reshape", M)])]),
     "layer_norm": ([(4, 8), (8,), (8,)], {}, [
         ("layer_norm_sum", [("in0", N)]),
-        ("layer_norm_deviation", [("in0", N), ("layer_norm_sum", O)]),
-        ("layer_norm_squares", [("in0", N), ("layer_norm_sum", O)]),
-        ("layer_norm", [("in0", O), ("layer_norm_sum", M), ("layer_norm_deviation", M),
-                        ("layer_norm_squares", M), ("in1", M), ("in2", M)])]),
+        ("layer_norm_moments", [("in0", N), ("layer_norm_sum", M)]),
+        ("layer_norm", [("in0", O), ("layer_norm_sum", M), ("layer_norm_moments", N), ("in1", M), ("in2", M)])]),
     "softmax": ([(4, 8)], {}, [
         ("T_softmax_maxelem", [("in0", N)]), ("T_softmax_exp", [("in0", O), ("T_softmax_maxelem", M)]),
         ("T_softmax_expsum", [("T_softmax_exp", N)]), ("T_softmax_norm", [("T_softmax_exp", O), ("T_softmax_expsum", M)])]),
@@ -211,7 +209,7 @@ def test_grouped_conv_reads_its_group_window():
     ("dense", [(4, 8), (6, 8), (6,)], {}, "T_matmul_NT", "in1", 8),
     ("batch_matmul", [(2, 4, 8), (2, 8, 6)], {}, "T_batch_matmul_NN", "in0", 8),
     ("softmax", [(4, 8)], {}, "T_softmax_maxelem", "in0", 8),
-    ("layer_norm", [(4, 8), (8,), (8,)], {}, "layer_norm_squares", "in0", 8),
+    ("layer_norm", [(4, 8), (8,), (8,)], {}, "layer_norm_moments", "in0", 8),
     ("max_pool2d", [(1, 4, 6, 6)], {"kernel": 3, "stride": 2, "padding": 1}, "pool_max", "pad_temp", 9),
     ("global_avg_pool2d", [(1, 4, 3, 3)], {}, "in0_red", "in0", 9),
 ])

@@ -332,9 +332,11 @@ def test_imported_models_have_the_hand_built_kernels_stages_and_bytes(name):
     the BatchNorms). One difference remains, in the imported model's favour: ONNX MMoE's towers
     end in a Linear(8, 1) whose bias, a single number, the importer makes a constant (as any
     initializer whose elements are all equal); horizontal fusion stacks weights only, so the two
-    towers' last layers stay two products, each with its sigmoid in registers, which read 16 B
-    and write 8 B fewer than the hand-built model's stacked input, batched product and two
-    sigmoids (1,864 B against 1,888 B, the same kernels and stages)."""
+    towers' last layers stay two products, each with its sigmoid in registers. Each reads its
+    tower's hidden layer once, so the vertical pass computes that layer's bias and ReLU inside the
+    product instead of storing them (the hand-built model's stacked input reads them from the
+    batched product: there they are its epilogue): 2 stages and 152 B fewer than the hand-built
+    model's stacked input, batched product and two sigmoids (1,648 B against 1,800 B)."""
     onnx = pytest.importorskip("onnx")
     hand_built, module, inputs = _paper_model(name, PARITY_CONFIGS[name])
     exported = TupleOutputs(module).eval()  # the exporter restores the mode it found, recursively
@@ -346,7 +348,7 @@ def test_imported_models_have_the_hand_built_kernels_stages_and_bytes(name):
     expected = _static(hand_built)
     assert _static(from_torch) == expected
     if name == "mmoe":
-        assert _static(from_onnx) == (*expected[:2], expected[2] - 24)
+        assert _static(from_onnx) == (expected[0], expected[1] - 2, expected[2] - 152)
     else:
         assert _static(from_onnx) == expected
     with torch.no_grad():

@@ -1,9 +1,10 @@
 """Per-stage templates: which template a block gets, its tiles, and the loops it binds."""
 
 import pytest
+import tvm
 from tvm import s_tir, te
 
-from codegen.schedule import ScheduleError, choose_template, schedule_stage
+from codegen.schedule import ScheduleError, choose_template, schedule_stage, warp_outputs
 
 
 def _func(shape, reduce=None):
@@ -50,6 +51,32 @@ def test_warp_reduce_gives_each_warp_an_output():
     func, schedule = schedule_stage(_func((64,), reduce=300), gpu=True)
     assert (schedule.template, schedule.n_tiles, schedule.per_tile) == ("warp_reduce", 8, 8)
     assert _bindings(func) == [("blockIdx.x", 8), ("threadIdx.y", 8), ("serial", 10), ("threadIdx.x", 32)]
+
+
+def _two_sums(shared_row: bool):
+    """Two sums a row, of x and of x^2 (a row's moments), or over two rows of a weight (a GEMV)."""
+    x = te.placeholder((64, 300), name="x")
+    w = te.placeholder((2, 300), name="w")
+    k = te.reduce_axis((0, 300), "k")
+    if shared_row:
+        return te.compute((64, 2), lambda r, c: te.sum(tvm.tirx.Select(c == 0, x[r, k], x[r, k] * x[r, k]), axis=k),
+                          name="moments")
+    return te.compute((64, 2), lambda r, c: te.sum(x[r, k] * w[c, k], axis=k), name="gemv")
+
+
+def test_a_warp_takes_the_outputs_that_read_the_same_row():
+    """A row's two moments read the same elements: one warp takes both, one after the other, so
+    that a tile holds whole rows (8, like the row sums' tiles) and the second pass reads L1. A
+    GEMV's two outputs a row read two rows of the weight: a warp each, as before."""
+    moments, gemv = _two_sums(True), _two_sums(False)
+    assert (warp_outputs(moments), warp_outputs(gemv)) == (2, 1)
+    x = moments.op.input_tensors[0]
+    _, schedule = schedule_stage(te.create_prim_func([x, moments]), gpu=True, per_warp=warp_outputs(moments))
+    assert (schedule.template, schedule.n_tiles, schedule.per_tile) == ("warp_reduce", 8, 16)
+    k = te.reduce_axis((0, 300), "k")
+    assert warp_outputs(te.compute((), lambda: te.sum(x[0, k], axis=k), name="total")) == 1
+    wide = te.compute((64, 5), lambda r, c: te.sum(x[r, k], axis=k), name="wide")
+    assert warp_outputs(wide) == 1  # longer than SAME_ELEMENTS_AXIS_MAX
 
 
 def test_thread_reduce_gives_each_thread_an_output():

@@ -56,19 +56,26 @@ def test_vertical_keeps_the_original_program_and_its_values():
     np.testing.assert_allclose(fused, expected, rtol=1e-6)
 
 
-def test_only_element_selections_are_inlined_into_a_reduction():
+def test_arithmetic_is_inlined_only_into_a_reduction_that_reads_it_once():
     x = te.placeholder((4, 8), name="x")
+    w = te.placeholder((3, 8), name="w")
     k = te.reduce_axis((0, 8), "k")
     shifted = te.compute((4, 8), lambda i, j: x[i, j] + 1.0, name="shifted")
     padded = te.compute((4, 8), lambda i, j: tirx.if_then_else(j < 7, x[i, j], 0.0), name="padded")
     total = te.compute((4,), lambda i: te.sum(shifted[i, k], axis=k), name="total")
+    product = te.compute((4, 3), lambda i, n: te.sum(shifted[i, k] * w[n, k], axis=k), name="product")
     relu = te.compute((4, 8), lambda i, j: te.max(shifted[i, j], 0.0), name="relu")
     assert selects_elements(padded.op.body[0]) and not selects_elements(shifted.op.body[0])
-    assert inlinable(padded, [total])
-    assert not inlinable(shifted, [total])  # an add per reduction step
+    assert inlinable(padded, [total]) and inlinable(padded, [product])
+    assert inlinable(shifted, [total, relu])  # the row sum reads each element once: no add redone
+    assert not inlinable(shifted, [product])  # each element read by 3 outputs: its add redone 3 times
     assert inlinable(shifted, [relu])
     assert not inlinable(total, [relu])  # a reduction is never recomputed
     assert not inlinable(shifted, [])
+    squares = te.compute((4, 8), lambda i, j: te.sum(x[i, k] * x[j, k], axis=k), name="squares")
+    activated = te.compute((4, 8), lambda i, j: te.max(squares[i, j], 0.0), name="activated")
+    row_sum = te.compute((4,), lambda i: te.sum(activated[i, k], axis=k), name="row_sum")
+    assert not inlinable(activated, [row_sum])  # the epilogue of a reduction of its size stays one
 
 
 def _query_by_key(halves: int = 2):
