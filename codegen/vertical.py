@@ -143,12 +143,13 @@ def _inline_region(region: Region, renamed: dict) -> Region:
         elif stage.op not in kept and _element_wise(rebuilt):
             # stored in its reduction's shape, it is that reduction's epilogue (``codegen.epilogues``)
             relaid = _in_producer_shape(rebuilt, reshaped_only=True)
-        if relaid is not None:
-            stored, inlined[stage.op] = relaid
-            new[stage.op] = renamed[stage.op] = stored
-            continue
-        new[stage.op] = rebuilt
-        renamed[stage.op] = rebuilt
+        stored, view = relaid if relaid is not None else (rebuilt, None)
+        narrow = None if stage.op in kept else _before_widening(stored)
+        if narrow is not None:
+            stored, view = narrow, _widened(view, stored, narrow)
+        if view is not None:
+            inlined[stage.op] = view
+        new[stage.op] = renamed[stage.op] = stored
     tensors = {name: new.get(t.op, t) for name, t in region.tensors.items() if t.op not in inlined}
     op_of = {new[op].op: origin for op, origin in region.op_of.items() if op in new}
     return Region(region.name, region.ops, region.inputs, region.outputs, tensors, op_of)
@@ -202,6 +203,31 @@ def _in_producer_shape(tensor: te.Tensor, reshaped_only: bool = False) -> tuple[
     view = te.compute(tensor.shape, lambda *a: stored(*_reshape_index(a, tensor.shape, shape)),
                       name=f"{tensor.op.name}_view")
     return stored, view
+
+
+def _before_widening(tensor: te.Tensor) -> te.Tensor | None:
+    """``tensor``'s values as the float16 or bfloat16 TE they are cast to float32 from, where its
+    body is that cast (else None): stored narrow and widened where it is read, the same values
+    take half the bytes. At fp16, paper BERT's attention scores (7 MB a layer, read by both
+    softmax stages) and LayerNorms' inputs were float32 copies of float16 values: the precision
+    pass rounds every op's result to float16 and widens the inputs of softmax and the norms. (On
+    the CPU, TVM's ``BF16ComputeLegalize`` drops a round trip ``float32(bfloat16(x))``, so a
+    float32 copy there held the unrounded x; stored as bfloat16 it is rounded, as on the GPU.)"""
+    body = tensor.op.body[0]
+    if not isinstance(body, tvm.tirx.Cast) or str(body.ty.dtype) != "float32" or \
+            str(body.value.ty.dtype) not in ("float16", "bfloat16"):
+        return None
+    return te.compute(tensor.shape, lambda *i: _substitute(tensor, list(i)).value, name=tensor.op.name,
+                      tag=tensor.op.tag)
+
+
+def _widened(view: te.Tensor | None, wide: te.Tensor, narrow: te.Tensor) -> te.Tensor:
+    """What readers of ``wide`` read once it is stored as ``narrow``: ``view`` (a reshape of
+    ``wide``, or None for ``wide`` itself) with each load of ``wide`` a cast of ``narrow``'s."""
+    if view is None:
+        return te.compute(wide.shape, lambda *i: narrow(*i).astype(wide.dtype), name=f"{wide.op.name}_widened")
+    return recompute(view, lambda t, idx, _: narrow(*idx).astype(wide.dtype) if t.op.same_as(wide.op) else t(*idx),
+                     f"widening {wide.op.name}")
 
 
 def _squeezed(shape) -> list[int]:

@@ -99,6 +99,41 @@ def _expected_scores(graph, x, halves: int = 2):
     return q @ k.transpose(0, 2, 1)
 
 
+def _dense_softmax():
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("scores")
+    x = b.input("x", (64, 32))
+    w = b.param("w", rng.standard_normal((48, 32)).astype("float32"))
+    return b.build(b.op("softmax", b.op("dense", x, w), name="p"))
+
+
+def test_a_widened_value_is_stored_narrow(monkeypatch):
+    """At fp16 the dense's result is rounded to float16 and widened for the softmax: the vertical
+    pass stores the float16 value and widens it where it is read (the same values, half the
+    bytes), where it stored the float32 copy: its store and the two softmax stages that read it
+    (the max, the sum with the normalization) move 2 B an element fewer. O1 stores both casts:
+    the same bits."""
+    import codegen.vertical
+
+    graph = _dense_softmax()
+    program = run_passes(graph, "llvm-persistent", stop="vertical", opt_level=4, precision="fp16").ir
+    stored = [(t.op.name, str(t.dtype)) for t in program.stages() if not t.op.reduce_axis]
+    assert stored == [("compute", "float16"), ("compute", "float16"), ("compute", "float32")]  # x, scores, output
+
+    def moved():
+        staged = run_passes(graph, "llvm-persistent", stop="plan_arena", opt_level=4, precision="fp16").ir
+        return memory_traffic(staged).total_bytes
+
+    narrow = moved()
+    monkeypatch.setattr(codegen.vertical, "_before_widening", lambda tensor: None)
+    assert moved() - narrow == 3 * 64 * 48 * 2
+    monkeypatch.undo()
+    x = {"x": np.random.default_rng(1).standard_normal((64, 32)).astype("float32")}
+    o1, o4 = (run_poisoned(souffle.compile(graph, "llvm-persistent", opt_level=level, precision="fp16"), x)[0]
+              for level in (1, 4))
+    np.testing.assert_array_equal(o4, o1)
+
+
 def test_arithmetic_before_layout_into_a_gemm_is_stored_in_the_producers_layout():
     """The bias add is stored as the dense's [8, 32] output, and the slices, reshapes and
     transposes become the batched product's operand indices: three TEs, not four (the bias
