@@ -467,6 +467,27 @@ def _check_moves_data(chain: list[te.Tensor]):
                                 f"inline {stage.op.name} into its consumer instead")
 
 
+def row_major(index: Sequence, shape: Sequence[int]):
+    """The row-major flat position of ``index`` in a tensor of ``shape``: integers, or TVM index
+    expressions (0 for a rank-0 tensor)."""
+    if not index:
+        return 0
+    flat = index[0]
+    for i, d in zip(index[1:], shape[1:]):
+        flat = flat * int(d) + i
+    return flat
+
+
+def unravel(flat, shape: Sequence[int]) -> list:
+    """The index in a tensor of ``shape`` of the element at row-major position ``flat``
+    (``row_major``'s inverse; integers, or TVM index expressions)."""
+    index = []
+    for d in reversed([int(d) for d in shape]):
+        index.append(flat % d)
+        flat = flat // d
+    return index[::-1]
+
+
 def reads_tensor(index: tirx.Expr) -> bool:
     """Whether ``index`` loads a tensor element (a gather's index, as in take): TVM's analyzer
     cannot simplify such an index (it cannot hash the TE it reads), and need not."""

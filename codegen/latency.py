@@ -42,6 +42,7 @@ import numpy as np
 from tvm import te, tirx
 from tvm_ffi import structural_equal
 
+from analysis.affine import unravel
 from analysis.characterize import count_flops
 from analysis.dependence import count_points, iteration_domain, tensor_loads
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
@@ -470,14 +471,6 @@ def _loads(tensor: te.Tensor) -> list:
     return distinct
 
 
-def _unflatten(flat: int, extents: list[int]) -> list[int]:
-    index = []
-    for extent in reversed(extents):
-        index.append(flat % extent)
-        flat //= extent
-    return index[::-1]
-
-
 def _thread_lanes(tensor: te.Tensor, first: int) -> list[tuple[int, dict]]:
     """(flat output index, axis values) of the lanes of a warp whose threads take consecutive
     outputs of ``tensor`` from ``first`` (lanes past the last output are idle), each at the
@@ -486,7 +479,7 @@ def _thread_lanes(tensor: te.Tensor, first: int) -> list[tuple[int, dict]]:
     shape = [int(d) for d in tensor.shape]
     box = _reduce_box(tensor) if getattr(op, "reduce_axis", None) else []
     middle = {ax.var: lower + extent // 2 for ax, (lower, extent) in zip(getattr(op, "reduce_axis", []), box)}
-    return [(flat, {**dict(zip((ax.var for ax in op.axis), _unflatten(flat, shape))), **middle})
+    return [(flat, {**dict(zip((ax.var for ax in op.axis), unravel(flat, shape))), **middle})
             for flat in range(first, min(first + WARP, _size(tensor)))]
 
 
@@ -494,12 +487,12 @@ def _reduction_lanes(reduction: te.Tensor, output: int, terms: int) -> list[tupl
     """(flat output index, axis values) of a warp_reduce warp's lanes: output ``output``,
     consecutive steps of the (row-major fused) reduction from its middle."""
     op = reduction.op
-    spatial = dict(zip((ax.var for ax in op.axis), _unflatten(output, [int(d) for d in reduction.shape])))
+    spatial = dict(zip((ax.var for ax in op.axis), unravel(output, [int(d) for d in reduction.shape])))
     box = _reduce_box(reduction)
     start = (terms // 2) // WARP * WARP
     lanes = []
     for step in range(start, min(start + WARP, terms)):
-        index = _unflatten(step, [extent for _, extent in box])
+        index = unravel(step, [extent for _, extent in box])
         reduce = {ax.var: lower + r for ax, (lower, _), r in zip(op.reduce_axis, box, index)}
         lanes.append((output, {**spatial, **reduce}))
     return lanes

@@ -58,7 +58,7 @@ from tvm import s_tir, te, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import get_root_block
 
-from analysis.affine import recompute
+from analysis.affine import recompute, row_major
 from analysis.dependence import IslWriter, NotAffine, tensor_loads
 from codegen.stitch import align
 from codegen.tensor_core import TILES, TensorCoreTile, pipeline_chunks, tensor_core_schedule
@@ -412,7 +412,7 @@ def _flatten_shared_epilogue(sch: s_tir.Schedule, producer, epilogue, n_spatial:
     _flatten_spatial(sch, producer, n_spatial)
     shape = [int(d) for d in sch.get(producer).writes[0].source.shape]
     if len(shape) > 1:
-        sch.transform_layout(producer, ("write", 0), lambda *index: [_row_major(index, shape)])
+        sch.transform_layout(producer, ("write", 0), lambda *index: [row_major(index, shape)])
     _flatten_spatial(sch, epilogue, len(sch.get(epilogue).iter_vars))
 
 
@@ -434,11 +434,6 @@ def _synchronize_epilogue(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_body(type(realize)(realize.iter_values, realize.predicate, root))
 
 
-def _row_major(index, shape):
-    """The row-major flat index of ``index`` (at least one coordinate) in a tensor of ``shape``."""
-    return _fold(lambda flat, pair: flat * pair[1] + pair[0], zip(index[1:], shape[1:]), index[0])
-
-
 def _flatten_spatial(sch: s_tir.Schedule, block, n_spatial: int):
     """Make the block's first ``n_spatial`` (spatial) iterators one, their row-major flat index,
     iterated by one loop (the reduction iterators are kept)."""
@@ -446,7 +441,7 @@ def _flatten_spatial(sch: s_tir.Schedule, block, n_spatial: int):
     if n_spatial < 2:
         return
     extents = [int(iv.dom.extent) for iv in iters[:n_spatial]]
-    flat = tirx.IndexMap.from_func(lambda *index: [_row_major(index[:n_spatial], extents), *index[n_spatial:]],
+    flat = tirx.IndexMap.from_func(lambda *index: [row_major(index[:n_spatial], extents), *index[n_spatial:]],
                                    ndim=len(iters), index_dtype=str(iters[0].var.ty.dtype))
     sch.transform_block_layout(block, flat)
 

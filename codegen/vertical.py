@@ -25,7 +25,7 @@ import tvm
 from tvm import te
 from tvm_ffi import structural_equal
 
-from analysis.affine import Rewriter, reads_tensor, recompute
+from analysis.affine import Rewriter, reads_tensor, recompute, row_major, unravel
 from analysis.dependence import (IF_THEN_ELSE, TENSOR_LOAD, access_relations, is_call_to, iteration_domain,
                                  tensor_loads)
 from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, MAX_NESTED_SELECTS, nested_expanded_calls, nested_selects
@@ -249,14 +249,7 @@ def _size(shape) -> int:
 
 def _reshape_index(index, from_shape, to_shape) -> list:
     """The index into ``to_shape`` of the element at ``index`` of ``from_shape`` (row-major)."""
-    flat = 0
-    for i, d in zip(index, from_shape):
-        flat = flat * int(d) + i
-    out = []
-    for d in reversed([int(d) for d in to_shape]):
-        out.append(flat % d)
-        flat = flat // d
-    return list(reversed(out))
+    return unravel(row_major(index, from_shape), to_shape)
 
 
 def _reshaped(tensor: te.Tensor, j, shape):
