@@ -300,7 +300,7 @@ def widened_operands(tensor: te.Tensor) -> te.Tensor:
     matmul then casts as it copies them into float32 slices, whose rows nvcc reads four terms per
     128-bit load, where it reads float16 slices one half at a time (``ld.shared.u16`` in its
     PTX). ``tensor`` itself where there is nothing to widen."""
-    reduction = tensor if tensor.op.reduce_axis else epilogue_reduction(tensor)
+    reduction = stage_reduction(tensor)
     if reduction is None or str(reduction.dtype) != "float32":
         return tensor
     narrow = {t.op: t for t in reduction.op.input_tensors if str(t.dtype) in ("float16", "bfloat16")}
@@ -312,6 +312,12 @@ def widened_operands(tensor: te.Tensor) -> te.Tensor:
         return widened
     return recompute(tensor, lambda t, idx, _: (widened if t.op.same_as(reduction.op) else t)(*idx),
                      f"widening {tensor.op.name}")
+
+
+def stage_reduction(tensor: te.Tensor) -> te.Tensor | None:
+    """The reduction a stage's TE computes: the TE itself, or the one its epilogue reads; None
+    for an element-wise stage."""
+    return tensor if tensor.op.reduce_axis else epilogue_reduction(tensor)
 
 
 def epilogue_reduction(epilogue: te.Tensor) -> te.Tensor | None:
@@ -335,7 +341,7 @@ def _own_schedule(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, t
     affine bindings.)"""
     if epilogue_mode is None and _accumulates_alone(tensor, threads):
         tensor, epilogue_mode = te.compute(tensor.shape, lambda *i: tensor(*i), name=tensor.op.name), "register"
-    reduction = tensor if tensor.op.reduce_axis else epilogue_reduction(tensor)
+    reduction = stage_reduction(tensor)
     per_warp = None if reduction is None else warp_outputs(reduction)
     func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, epilogue_mode, per_warp)
     if epilogue_mode is None:
