@@ -55,6 +55,7 @@ def test_a_narrow_gemm_is_two_stages_at_o4_and_one_below():
     assert not [s for s in o3.ir.stages() if "T_matmul_NT_part" in s.name]
 
 
+@pytest.mark.slow  # 28 s; by default the same split GEMM at O4 is checked on emulated threads (below)
 def test_the_split_gemm_matches_numpy_on_the_cpu():
     graph, inputs, expected = _narrow_gemm()
     model = souffle.compile(graph, target="llvm-persistent", opt_level=4)
