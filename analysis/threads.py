@@ -238,10 +238,19 @@ class Converter:
         # numerators of C divisions taken as floor divisions, for the caller to prove >= 0 on its
         # domain; None: such a division is refused
         self.assumed: list | None = None
+        # a vector index's lane (an atom in [0, lanes)), or None: a scalar index, where a Ramp or
+        # a Broadcast is no index
+        self.lane: Form | None = None
 
     def form(self, e) -> Form:
         if isinstance(e, tirx.IntImm):
             return Form.const(e.value)
+        if isinstance(e, (tirx.Ramp, tirx.Broadcast)):
+            if self.lane is None:
+                raise NonAffine(f"a {type(e).__name__} in a scalar index")
+            if isinstance(e, tirx.Broadcast):
+                return self.form(e.value)
+            return self.form(e.base) + _times(self.form(e.stride), self.lane, self.tiles)
         if isinstance(e, tirx.Var):
             if e in self.env:
                 return self.env[e]
@@ -728,6 +737,7 @@ class Walker:
             index = None
         finally:
             self.conv.assumed = None
+            self.conv.lane = None
         self.kernel.accesses.append(Access(stmt, load.source.name, memory, write, index, memory.elem_bytes, variables,
                                            domain, ctx.path, ctx.block, ctx.stage, ctx.approximate))
 
@@ -781,7 +791,7 @@ class Walker:
             return
         found = self.index(indices[0], ctx, buffer)
         index, variables, domain = found if found is not None else (None, ctx.variables, ctx.domain)
-        width = memory.elem_bytes if not isinstance(indices[0], tirx.Ramp) else buffer.dtype.bits // 8
+        width = memory.elem_bytes if tvm.DataType(str(indices[0].ty.dtype)).lanes == 1 else buffer.dtype.bits // 8
         self.kernel.accesses.append(Access(stmt, buffer.name, memory, write, index, width, variables,
                                            domain, ctx.path, ctx.block, ctx.stage, ctx.approximate))
         if write and ctx.stage is not None:
@@ -792,11 +802,14 @@ class Walker:
     def index(self, e, ctx: Context, buffer):
         self.conv.assumed = []
         try:
-            if isinstance(e, tirx.Ramp):
+            lanes = tvm.DataType(str(e.ty.dtype)).lanes
+            if lanes > 1:  # each lane's element: a Ramp's run, or a gather's (an im2col copy's) own index
                 lane = f"l{next(self.ids)}"
-                self.kernel.bounds[lane] = (0, e.lanes - 1)
-                form = self.conv.form(e.base) + _times(self.conv.form(e.stride), Form.atom(lane), {})
-                found = form, ctx.variables + [lane], ctx.domain + [f"0 <= {lane}{{s}} < {e.lanes}"]
+                self.kernel.bounds[lane] = (0, lanes - 1)
+                self.conv.lane = Form.atom(lane)
+                form = self.conv.form(e)
+                form.render()
+                found = form, ctx.variables + [lane], ctx.domain + [f"0 <= {lane}{{s}} < {lanes}"]
             else:
                 form = self.conv.form(e)
                 form.render()
@@ -808,6 +821,7 @@ class Walker:
             return None
         finally:
             self.conv.assumed = None
+            self.conv.lane = None
 
     def check_divisions(self, numerators: list, variables: list, domain: list):
         """A C division or remainder is the floor one where its numerator is >= 0. TVM leaves one

@@ -218,3 +218,40 @@ def test_a_c_division_is_exact_where_its_condition_proves_the_numerator_non_nega
     assert guarded.violations == unguarded.violations == ()
     assert not any(note.startswith("src:") for note in guarded.notes), guarded.notes
     assert any(note.startswith("src:") and "may be negative" in note for note in unguarded.notes), unguarded.notes
+
+
+def _gathered_vector_read(out_offset: int) -> tirx.PrimFunc:
+    """Each of 256 threads reads four elements of ``src`` at ``2 tx + 16 (lane / 2)`` with one
+    vector load, the Broadcast-plus-Ramp gather dlight's copy of an implicit-GEMM operand (an
+    im2col) emits, and writes four of ``out`` at ``4 i``: two views of one arena, ``out`` at
+    element ``out_offset`` (``src`` reads elements 0 to 78)."""
+    grid = tirx.Var("grid_size", "int32")
+    arena = tirx.decl_buffer((2048,), "float32", name="arena")
+    src = tirx.decl_buffer((96,), "float32", name="src")
+    out = tirx.decl_buffer((1024,), "float32", name="out")
+    bx, tx, ty = (tirx.Var(name, "int32") for name in ("blockIdx_x", "threadIdx_x", "threadIdx_y"))
+    t = tirx.Var("t", "int32")
+    i = (bx + t * grid) * 256 + ty * 32 + tx
+    lanes = tirx.Div(tirx.Ramp(0, 1, 4), tirx.Broadcast(2, 4)) * tirx.Broadcast(16, 4)
+    store = tirx.BufferStore(out, tirx.BufferLoad(src, [tirx.Broadcast(tx * 2, 4) + lanes]), [tirx.Ramp(i * 4, 1, 4)])
+    stage = tirx.For(t, 0, tirx.floordiv(grid - bx, grid), tirx.ForKind.SERIAL, store)
+    stmt = tirx.SeqStmt([tirx.DeclBuffer(src, data=tirx.address_of(tirx.BufferLoad(arena, [0]))),
+                         tirx.DeclBuffer(out, data=tirx.address_of(tirx.BufferLoad(arena, [out_offset]))), stage])
+    for var, tag, extent in ((ty, "threadIdx.y", 8), (tx, "threadIdx.x", 32), (bx, "blockIdx.x", grid)):
+        binding = tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
+        stmt = tirx.AttrStmt(binding, "thread_extent", extent, stmt)
+    return tirx.PrimFunc([grid], stmt)
+
+
+def test_a_vector_gathers_lanes_are_read_each_at_its_own_index():
+    """Read as any element of the arena, the gather raced with every write to it (paper ResNeXt at
+    fp16: its stem's im2col copy of the padded input against the ReLU written into the same
+    float16 arena); read lane by lane, it is apart from ``out`` at element 96 and races with it at 64."""
+    apart = validate_kernel(_gathered_vector_read(out_offset=96), 256)
+    assert apart.violations == ()
+    assert not any(note.startswith("src:") for note in apart.notes), apart.notes
+    (violation,) = validate_kernel(_gathered_vector_read(out_offset=64), 256).violations
+    # lane 2 of thread (25, 7) reads element 2 * 25 + 16 = 66, which thread (0, 0)'s lane 2 writes as out[2]
+    assert violation.startswith("stage 0 (writes out): thread (25,7) of tile 0 and thread (0,0) of tile 0 (same "
+                                "block, grid size 1) write and read global src[66] / out[2] with no __syncthreads"), \
+        violation
