@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import te, tirx
 
-from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD, constant
+from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD, constant, tensor_loads
 from analysis.device import DeviceModel
 
 _ARITHMETIC = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max)
@@ -80,6 +80,29 @@ class StageCost:
     intensity: float  # FLOP per byte moved; 0.0 when no bytes move
     bound: str  # "compute" or "memory"
     time_s: float  # roofline estimate: max(compute time, memory time)
+
+
+def is_gemm(reduction: te.Tensor | None) -> bool:
+    """A sum of products whose two factors are each reused along an output axis the other
+    varies with (an axis longer than 1): dense, matmul, convolution. Not a GEMV (its vector
+    factor is reused, its matrix is not), a variance (both factors vary alike), nor a grouped or
+    depthwise convolution (its input varies with the output channel, through the group, as its
+    weight does)."""
+    if reduction is None:
+        return False
+    source = reduction.op.body[0].source[0]
+    while isinstance(source, tirx.Cast):
+        source = source.value
+    if not isinstance(source, tirx.Mul):
+        return False
+    axes = [ax.var for ax in reduction.op.axis if int(ax.dom.extent) > 1]
+
+    def varies_with(factor) -> set[int]:
+        used = [v for load in tensor_loads(factor) for i in load.indices for v in tirx.analysis.undefined_vars(i)]
+        return {k for k, var in enumerate(axes) if any(var.same_as(v) for v in used)}
+
+    left, right = varies_with(source.a), varies_with(source.b)
+    return bool(left - right) and bool(right - left)
 
 
 def stage_cost(stage: te.Tensor, bytes_read: int, device: DeviceModel) -> StageCost:

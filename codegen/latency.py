@@ -43,7 +43,7 @@ from tvm import te, tirx
 from tvm_ffi import structural_equal
 
 from analysis.affine import unravel
-from analysis.characterize import count_flops
+from analysis.characterize import count_flops, is_gemm
 from analysis.dependence import count_points, iteration_domain, tensor_loads
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork,
@@ -202,32 +202,11 @@ def _reduce_box(reduction: te.Tensor) -> list[tuple[int, int]]:
     return [(lowest, highest - lowest + 1) for lowest, highest in bounds]
 
 
-def _is_gemm(reduction: te.Tensor | None) -> bool:
-    """A sum of products whose two factors are each reused along an output axis the other
-    varies with (an axis longer than 1): dense, matmul, convolution. Not a GEMV (its vector
-    factor is reused, its matrix is not) nor a variance (both factors vary alike)."""
-    if reduction is None:
-        return False
-    source = reduction.op.body[0].source[0]
-    while isinstance(source, tirx.Cast):
-        source = source.value
-    if not isinstance(source, tirx.Mul):
-        return False
-    axes = [ax.var for ax in reduction.op.axis if int(ax.dom.extent) > 1]
-
-    def varies_with(factor) -> set[int]:
-        used = [v for load in tensor_loads(factor) for i in load.indices for v in tirx.analysis.undefined_vars(i)]
-        return {k for k, var in enumerate(axes) if any(var.same_as(v) for v in used)}
-
-    left, right = varies_with(source.a), varies_with(source.b)
-    return bool(left - right) and bool(right - left)
-
-
 def _peak_dtype(stage: Stage, reduction: te.Tensor | None) -> str:
     """The dtype whose peak the stage is measured against: a GEMM-shaped stage's operands' (a
     float16 GEMM on FP32 lanes is far from the float16 peak whatever its epilogue stores), any
     other stage's output's."""
-    return _operand_dtype(reduction) if _is_gemm(reduction) else str(stage.tensor.dtype)
+    return _operand_dtype(reduction) if is_gemm(reduction) else str(stage.tensor.dtype)
 
 
 def _operand_dtype(reduction: te.Tensor) -> str:
@@ -328,7 +307,7 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
     return StageWork(
         name=stage.name, template=template, dtype=_peak_dtype(stage, reduction), executions=executions,
         n_tiles=schedule.n_tiles, threads=threads, active_threads=active, grid=grid, blocks_per_sm=blocks_per_sm,
-        flops=flops, tensor_core=False, gemm=_is_gemm(reduction), memory_steps=memory_steps,
+        flops=flops, tensor_core=False, gemm=is_gemm(reduction), memory_steps=memory_steps,
         on_chip_steps=on_chip_steps, block_barriers=barriers, accesses=tuple(accesses),
         l2_read_bytes=sum(min(_tile_read_bytes(stage, k, tile), asked) for k, asked in global_reads),
         dram_bytes=round(sum(min(dram.reads[k], asked * schedule.n_tiles) for k, asked in global_reads)

@@ -26,6 +26,7 @@ from tvm import te
 from tvm_ffi import structural_equal
 
 from analysis.affine import Rewriter, reads_tensor, recompute, row_major, unravel
+from analysis.characterize import is_gemm
 from analysis.dependence import (IF_THEN_ELSE, TENSOR_LOAD, access_relations, is_call_to, iteration_domain,
                                  tensor_loads)
 from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, MAX_NESTED_SELECTS, nested_expanded_calls, nested_selects
@@ -86,6 +87,25 @@ def _epilogue_of_its_size(stage: te.Tensor) -> bool:
 def _nested(consumer: te.Tensor, depth) -> int:
     body = getattr(consumer.op, "body", ())
     return max((depth(b) for b in body), default=0)
+
+
+def pads(expr) -> bool:
+    """Whether ``expr`` is a padding: one load of a tensor or a constant, chosen by conditions on
+    indices alone. Not a ReLU (its condition is a value), a concatenation (two tensors: the
+    horizontal transformation's stacked inputs stay one stored TE) or a roll (two places)."""
+    loads = tensor_loads(expr)
+    return len(loads) == 1 and _chosen_by_index(expr)
+
+
+def _chosen_by_index(expr) -> bool:
+    if is_call_to(expr, TENSOR_LOAD) or isinstance(expr, (tvm.tirx.IntImm, tvm.tirx.FloatImm)):
+        return True
+    if isinstance(expr, tvm.tirx.Select):
+        return not reads_tensor(expr.condition) and _chosen_by_index(expr.true_value) and \
+            _chosen_by_index(expr.false_value)
+    if is_call_to(expr, IF_THEN_ELSE):
+        return not reads_tensor(expr.args[0]) and _chosen_by_index(expr.args[1]) and _chosen_by_index(expr.args[2])
+    return False
 
 
 def selects_elements(expr) -> bool:
@@ -158,13 +178,24 @@ def _inline_region(region: Region, renamed: dict) -> Region:
 def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: set) -> set:
     """The ops one of whose readers is a layout TE not kept that is read by a reduction, or by a
     layout TE that leads to one. A layout TE, as written in the program, is one load at an index
-    of its axes (a reshape, transpose or slice): a padding, a roll (a load chosen by a condition)
-    or a relu (a value chosen by a value) is none, since the GEMM rules take no condition inside
-    an operand."""
-    layout = {s.op for s in stages
-              if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
-    leads: set = set()  # the ops with a reader that is a reduction or a layout TE in ``leads``
+    of its axes (a reshape, transpose or slice), or, on a chain that leads to no GEMM-shaped
+    reduction (``is_gemm``), a padding (``pads``: read by a grouped or depthwise convolution or a
+    pooling). A padding on the way to a GEMM is none, since the GEMM rules take no condition
+    inside an operand: there the arithmetic before it is stored with it, and the GEMM reads it
+    unconditionally. Elsewhere the arithmetic is stored in its producer's tiles (paper ResNeXt's
+    batch norm and ReLU, its convolution's epilogue) and the padding is read through: a stage and
+    a grid barrier fewer in most blocks (the H100 timed each stored padding of paper ResNeXt at
+    fp32 at 6-15 us, EfficientNet's at 7)."""
+    pure = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
+    paddings = {s.op for s in stages if _element_wise(s) and s.op not in kept and pads(s.op.body[0])}
+    to_gemm: set = set()  # the ops with a reader that is a GEMM-shaped reduction, or a layout TE or padding in ``to_gemm``
     for stage in reversed(stages):  # readers come after their producers
+        if any((r.op.reduce_axis and is_gemm(r)) or ((r.op in pure or r.op in paddings) and r.op in to_gemm)
+               for r in readers.get(stage.op, [])):
+            to_gemm.add(stage.op)
+    layout = pure | (paddings - to_gemm)
+    leads: set = set()  # the ops with a reader that is a reduction or a layout TE in ``leads``
+    for stage in reversed(stages):
         if any(r.op.reduce_axis or (r.op in layout and r.op in leads) for r in readers.get(stage.op, [])):
             leads.add(stage.op)
     return {s.op for s in stages if any(r.op in layout and r.op in leads for r in readers.get(s.op, []))}

@@ -8,7 +8,7 @@ from tvm import te, tirx
 import souffle
 from codegen.pipelines import CUDA, OPT_LEVELS
 from codegen.traffic import memory_traffic
-from codegen.vertical import inlinable, selects_elements, vertical
+from codegen.vertical import inlinable, pads, selects_elements, vertical
 from souffle.compiler import run_passes
 from souffle import models
 from souffle.errors import SouffleError
@@ -305,3 +305,52 @@ def test_a_matmuls_alpha_exports_to_onnx_as_a_mul():
     (out,) = souffle.compile(souffle.from_onnx(model), "llvm").run({"a": a})
     np.testing.assert_allclose(out, 0.5 * a @ np.full((1, 64, 4), 40.0), rtol=1e-5)
     assert onnx.checker.check_model(model) is None
+
+
+def _conv_relu_conv(groups: int):
+    """A 1x1 convolution with a bias and its ReLU, then a padded 3x3 convolution of ``groups`` groups."""
+    rng = np.random.default_rng(4)
+    b = GraphBuilder("padded")
+    x = b.input("x", (1, 8, 6, 6))
+    w1 = b.param("w1", rng.standard_normal((8, 8, 1, 1)).astype("float32"))
+    b1 = b.param("b1", rng.standard_normal((8,)).astype("float32"))
+    w2 = b.param("w2", rng.standard_normal((8, 8 // groups, 3, 3)).astype("float32"))
+    y = b.op("relu", b.op("conv2d", x, w1, b1))
+    return b.build(b.op("conv2d", y, w2, padding=1, groups=groups, name="out"))
+
+
+@pytest.mark.parametrize("target", ["llvm-persistent", "cuda-emulated"])
+def test_a_padding_read_by_a_grouped_convolution_is_read_through(target):
+    """A padding is one tensor's elements chosen by index (not a concatenation, which the
+    horizontal transformation's stacked inputs stay, nor a ReLU). Before a grouped convolution
+    (no GEMM), the bias add and ReLU are stored in the first convolution's
+    shape, its epilogue, and the padding is read through: two stages, one grid barrier between
+    them. Before a dense one (a GEMM, whose rules take no condition inside an operand), they
+    are carried into the padding, which is stored and read unconditionally."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y = te.placeholder((4, 8), name="x"), te.placeholder((4, 8), name="y")
+    padded = te.compute((4, 9), lambda i, j: tirx.if_then_else(j >= 1, x[i, j - 1], 0.0), name="padded")
+    joined = te.compute((4, 16), lambda i, j: tirx.if_then_else(j < 8, x[i, j], y[i, j - 8]), name="joined")
+    relu = te.compute((4, 8), lambda i, j: tirx.Select(x[i, j] > 0.0, x[i, j], 0.0), name="relu")
+    assert pads(padded.op.body[0]) and not pads(joined.op.body[0]) and not pads(relu.op.body[0])
+    grouped = vertical(lower_graph(_conv_relu_conv(groups=4))).stages()
+    assert [bool(t.op.reduce_axis) for t in grouped] == [True, False, True]
+    assert [int(d) for d in grouped[1].shape] == [1, 8, 6, 6]
+    assert grouped[1].op.input_tensors[0].op.same_as(grouped[0].op)
+    assert [t.op for t in grouped[2].op.input_tensors if t.op.same_as(grouped[1].op)]  # the padding read through
+    dense = vertical(lower_graph(_conv_relu_conv(groups=1))).stages()
+    assert [bool(t.op.reduce_axis) for t in dense] == [True, False, True]
+    assert [int(d) for d in dense[1].shape] == [1, 8, 8, 8]  # the padded ReLU, stored
+    for groups, stages in ((4, 2), (1, 3)):
+        graph = _conv_relu_conv(groups)
+        model = souffle.compile(graph, target, opt_level=4)
+        assert len((model.kernel_plan.staged if target == "cuda-emulated" else model.plan).stages()) == stages
+        x = np.random.default_rng(5).standard_normal((1, 8, 6, 6)).astype("float32")
+        # the emulated device poisons the buffers it allocates
+        (out,) = model.run({"x": x}) if target == "cuda-emulated" else run_poisoned(model, {"x": x})
+        y = F.relu(F.conv2d(torch.tensor(x), torch.tensor(graph.weights["w1"]),
+                            torch.tensor(graph.weights["b1"])))
+        expected = F.conv2d(y, torch.tensor(graph.weights["w2"]), padding=1, groups=groups).numpy()
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5, err_msg=f"groups={groups}")
