@@ -188,7 +188,7 @@ def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: s
     fp32 at 6-15 us, EfficientNet's at 7)."""
     pure = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
     paddings = {s.op for s in stages if _element_wise(s) and s.op not in kept and pads(s.op.body[0])}
-    to_gemm: set = set()  # the ops with a reader that is a GEMM-shaped reduction, or a layout TE or padding in ``to_gemm``
+    to_gemm: set = set()  # the ops read by a GEMM-shaped reduction, or by a layout TE or padding in ``to_gemm``
     for stage in reversed(stages):  # readers come after their producers
         if any((r.op.reduce_axis and is_gemm(r)) or ((r.op in pure or r.op in paddings) and r.op in to_gemm)
                for r in readers.get(stage.op, [])):
