@@ -148,6 +148,7 @@ def test_the_split_pointwise_convolution_matches_torch_on_the_cpu_and_on_emulate
     np.testing.assert_allclose(model.schedule("descending", None, seed=3).run(inputs)[0], expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow  # 25 s; the split convolution stays checked by default on the CPU and emulated threads
 @pytest.mark.parametrize("parts", [2, 8])
 def test_the_convolutions_split_k_is_the_same_product_on_the_cpu(parts):
     graph, inputs, expected = _narrow_pointwise_conv()

@@ -94,6 +94,7 @@ def test_the_model_zoos_graph_is_the_persistent_kernel_equal_to_torch(reference)
     _check(graph, reference, "llvm-persistent")
 
 
+@pytest.mark.slow  # 25 s; Swin from torch and the ONNX importer on the other models stay checked by default
 def test_from_onnx_equals_torch(reference, tmp_path):
     module, x, _ = reference
     path = tmp_path / "swin.onnx"
