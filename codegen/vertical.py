@@ -93,30 +93,21 @@ def pads(expr) -> bool:
     """Whether ``expr`` is a padding: one load of a tensor or a constant, chosen by conditions on
     indices alone. Not a ReLU (its condition is a value), a concatenation (two tensors: the
     horizontal transformation's stacked inputs stay one stored TE) or a roll (two places)."""
-    loads = tensor_loads(expr)
-    return len(loads) == 1 and _chosen_by_index(expr)
+    return len(tensor_loads(expr)) == 1 and selects_elements(expr, by_index=True)
 
 
-def _chosen_by_index(expr) -> bool:
+def selects_elements(expr, by_index: bool = False) -> bool:
+    """Whether every value of ``expr`` is a tensor element or a constant, chosen by conditions
+    (``by_index``: conditions that read no tensor)."""
     if is_call_to(expr, TENSOR_LOAD) or isinstance(expr, (tvm.tirx.IntImm, tvm.tirx.FloatImm)):
         return True
     if isinstance(expr, tvm.tirx.Select):
-        return not reads_tensor(expr.condition) and _chosen_by_index(expr.true_value) and \
-            _chosen_by_index(expr.false_value)
-    if is_call_to(expr, IF_THEN_ELSE):
-        return not reads_tensor(expr.args[0]) and _chosen_by_index(expr.args[1]) and _chosen_by_index(expr.args[2])
-    return False
-
-
-def selects_elements(expr) -> bool:
-    """Whether every value of ``expr`` is a tensor element or a constant, chosen by conditions."""
-    if is_call_to(expr, TENSOR_LOAD) or isinstance(expr, (tvm.tirx.IntImm, tvm.tirx.FloatImm)):
-        return True
-    if isinstance(expr, tvm.tirx.Select):
-        return selects_elements(expr.true_value) and selects_elements(expr.false_value)
-    if is_call_to(expr, IF_THEN_ELSE):
-        return selects_elements(expr.args[1]) and selects_elements(expr.args[2])
-    return False
+        condition, values = expr.condition, (expr.true_value, expr.false_value)
+    elif is_call_to(expr, IF_THEN_ELSE):
+        condition, values = expr.args[0], expr.args[1:]
+    else:
+        return False
+    return not (by_index and reads_tensor(condition)) and all(selects_elements(v, by_index) for v in values)
 
 
 def vertical(program: TEProgram) -> TEProgram:
@@ -187,10 +178,11 @@ def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: s
     a grid barrier fewer in most blocks (the H100 timed each stored padding of paper ResNeXt at
     fp32 at 6-15 us, EfficientNet's at 7)."""
     pure = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
+    # a padding of no condition is a plain load: ``paddings`` holds ``pure``
     paddings = {s.op for s in stages if _element_wise(s) and s.op not in kept and pads(s.op.body[0])}
-    to_gemm: set = set()  # the ops read by a GEMM-shaped reduction, or by a layout TE or padding in ``to_gemm``
+    to_gemm: set = set()  # the ops read by a GEMM-shaped reduction, or by a padding in ``to_gemm``
     for stage in reversed(stages):  # readers come after their producers
-        if any((r.op.reduce_axis and is_gemm(r)) or ((r.op in pure or r.op in paddings) and r.op in to_gemm)
+        if any((r.op.reduce_axis and is_gemm(r)) or (r.op in paddings and r.op in to_gemm)
                for r in readers.get(stage.op, [])):
             to_gemm.add(stage.op)
     layout = pure | (paddings - to_gemm)
