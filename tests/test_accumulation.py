@@ -2,6 +2,7 @@
 at every reduction step (read from the TIR that TVM hands to its CUDA code generator), and each
 thread's accumulator is one register, not a local array (which nvcc puts in local memory)."""
 
+import importlib
 import math
 import re
 
@@ -18,6 +19,8 @@ from codegen.schedule import MATMUL_MICRO, MATMUL_VTHREADS, schedule_te
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
+
+mutants = importlib.import_module("scripts.validate_mutants")
 
 
 def _gemm(m: int, n: int, k: int):
@@ -142,13 +145,20 @@ def test_a_single_tile_reduction_keeps_one_register(level):
     assert re.findall(r"float (\w+_local\w*)\[(\d+)\];", source.text) == [("pool_max_local_ptr", "1")]
 
 
-@pytest.mark.slow
 def test_paper_efficientnet_kernel_is_thread_safe():
     """Simplifying every GPU stage (not only single-tile ones) made paper EfficientNet's O4
     kernel write its convolutions' last tile from two threads per element; the validator said so.
-    Slow: with no cached verdict, the validator's coverage proof of one stage (a 1x1 convolution
-    of 40 x 28 x 28 outputs in dlight's 13 matmul tiles, its batch norm as epilogue) takes isl
-    about 15 minutes on 2 cores, before and after this test's kernel changed (919 s at 8ecc9d7);
-    the suite had met it with the verdict cached."""
-    run = run_passes(models.build("efficientnet", "paper"), "cuda", stop="validate_threads", opt_level=4, validate=True)
-    assert run.records[-1].name == "validate_threads"
+    Its coverage proof of a 1x1 convolution of 40 x 28 x 28 outputs in dlight's 13 matmul tiles
+    of 64 (a tile width that does not divide the 784-element rows) took isl 15 minutes until the
+    digits it compares followed the rows; the same stage with half its warps is still caught."""
+    plan = run_passes(models.build("efficientnet", "paper"), "cuda", stop="kernel_plan", opt_level=4).ir
+    (kernel,) = [mutants.Kernel("efficientnet O4", name, func, plan.host_loop_trips(), plan.min_grids().get(name, 1),
+                                plan.staged.threads)
+                 for name, func in device_functions(device_module(plan.funcs, "sm_90")).items()]
+    assert mutants.validate(kernel).violations == ()
+    (stage,) = [k for k, s in enumerate(plan.staged.stages())
+                if s.name.endswith("/convolution_19+_native_batch_norm_legit_no_training_11")]
+    (half_the_warps,) = [make for what, make in mutants.sites(kernel)["fewer_threads"]
+                         if what.startswith(f"stage {stage}:")]
+    violations = mutants.validate(kernel, half_the_warps()).violations
+    assert f"stage {stage} (writes T_add): T_add: element 31359 of 31360 is never written (grid size 1)" in violations
