@@ -91,6 +91,7 @@ def comparison_rows(kernels: dict[str, dict], torch: dict[tuple[str, str], dict]
         best_mode = min(modes, key=lambda m: modes[m]["median_ms"])
         rows.append({"bundle": name, "model": match["model"], "config": match["config"],
                      "precision": match["precision"] or "fp32", "souffle_ms": r["median_ms"],
+                     **({"souffle_graph_ms": r["graph_median_ms"]} if "graph_median_ms" in r else {}),
                      **({"souffle_ncu_ms": r["ncu_gpu_time_ms"]} if "ncu_gpu_time_ms" in r else {}),
                      "souffle_launches": r["launches"],
                      **{f"{mode}_ms": modes[mode]["median_ms"] for mode in modes},
@@ -100,14 +101,16 @@ def comparison_rows(kernels: dict[str, dict], torch: dict[tuple[str, str], dict]
 
 
 def comparison_table(rows: list[dict]) -> str:
-    lines = ["| model | config | precision | Souffle ms (launches) | Souffle's kernels alone, ms (ncu) | " + " | ".join(
-        f"{mode} ms (kernels)" for mode in TORCH_MODES) + " | Souffle vs best PyTorch |",
-             "|---|---|---|---|---|" + "---|" * len(TORCH_MODES) + "---|"]
+    lines = ["| model | config | precision | Souffle ms (launches) | Souffle in a CUDA graph, ms "
+             "| Souffle's kernels alone, ms (ncu) | " + " | ".join(
+                 f"{mode} ms (kernels)" for mode in TORCH_MODES) + " | Souffle vs best PyTorch |",
+             "|---|---|---|---|---|---|" + "---|" * len(TORCH_MODES) + "---|"]
     for r in sorted(rows, key=lambda r: (r["config"] != "paper", r["model"], r["precision"])):
         cells = [f"{r[f'{m}_ms']:.3f} ({r[f'{m}_kernels']})" if f"{m}_ms" in r else "not measured"
                  for m in TORCH_MODES]
         lines.append(f"| {r['model']} | {r['config']} | {r['precision']} | {r['souffle_ms']:.3f} "
-                     f"({r['souffle_launches']}) | {_ms(r.get('souffle_ncu_ms'))} | " + " | ".join(cells)
+                     f"({r['souffle_launches']}) | {_ms(r.get('souffle_graph_ms'))} | {_ms(r.get('souffle_ncu_ms'))} | "
+                     + " | ".join(cells)
                      + f" | {r['speedup_over_best']:.2f}x ({r['best_pytorch']}) |")
     return "\n".join(lines)
 

@@ -67,7 +67,7 @@ def test_speedup_is_over_the_fastest_pytorch_mode_measured():
     assert (row["model"], row["precision"], row["best_pytorch"]) == ("bert", "fp16", "reduce-overhead")
     assert row["speedup_over_best"] == pytest.approx(0.5)
     table = gpu_report.comparison_table([row])
-    assert "| 2.000 (1) | - | 6.000 (100) | not measured |" in table and "0.50x (reduce-overhead)" in table
+    assert "| 2.000 (1) | - | - | 6.000 (100) | not measured |" in table and "0.50x (reduce-overhead)" in table
 
 
 def test_the_report_sets_estimate_and_counted_bytes_beside_the_measurements(tmp_path):
@@ -119,9 +119,10 @@ def test_a_failed_check_row_says_how_many_elements_miss_the_tolerance_and_by_how
     check = Check(artifact, [], [expected], rtol=0.05, atol=0.05)
     got = np.array([1.0, 2.2, -4.0], dtype=np.float32)  # 0.2 off where 0.15 is allowed
     launcher = types.SimpleNamespace(device=types.SimpleNamespace(name="NVIDIA H100", arch="sm_90"), grid=132,
-                                     blocks_per_sm=1, run=lambda inputs, poison: [got.copy()],
-                                     benchmark=lambda inputs, repeat, warmup: [1e-3] * repeat)
+                                     blocks_per_sm=1, run=lambda inputs, poison, graph=False: [got.copy()],
+                                     benchmark=lambda inputs, repeat, warmup, graph=False: [1e-3] * repeat)
     row = gpu_kernels._checked(Path("bert_paper_O4_bf16"), check, launcher, repeat=3, warmup=1)
     assert (row["check"], row["outside_tolerance"], row["repeatable"]) == ("FAIL", 1, True)
+    assert (row["graph"], row["graph_median_ms"]) == ("same outputs", pytest.approx(1.0))
     assert row["worst_excess"] == pytest.approx(0.05, abs=1e-6)
     assert "FAIL (0.2); 1 outside rtol/atol 0.05/0.05 by up to 0.05 |" in gpu_kernels.kernels_table([row])

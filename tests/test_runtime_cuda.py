@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import numpy as np
@@ -291,14 +292,23 @@ class FakeDriver:
     class CUresult:
         CUDA_SUCCESS = 0
 
-    HANDLES = ("cuMemAlloc", "cuModuleLoadData", "cuModuleGetFunction")
+    CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=types.SimpleNamespace(value=1))
+    CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
+    HANDLES = ("cuMemAlloc", "cuModuleLoadData", "cuModuleGetFunction", "cuStreamCreate", "cuStreamEndCapture",
+               "cuGraphInstantiate")
 
-    def __init__(self):
+    def __init__(self, failures: dict | None = None):
         self.calls = []
+        self.failures = failures or {}  # call name -> the CUresult it returns, by name
+
+    def cuGetErrorName(self, err):
+        return 0, {f"code {k}": name for k, name in enumerate(self.failures.values())}.get(err, "?").encode()
 
     def __getattr__(self, name):
         def call(*args):
             self.calls.append(name)
+            if name in self.failures:
+                return (f"code {list(self.failures).index(name)}",)
             return (0, 0x1000) if name in self.HANDLES else (0,)
 
         return call
@@ -372,6 +382,45 @@ def test_a_freed_buffer_is_refused_as_a_kernel_argument(fake_device):
     with pytest.raises(TargetError, match="device buffer at 0x1000 was already freed"):
         kernel.launch(1, 32, [buffer], cooperative=False)
     assert fake_device.driver.calls == calls
+
+
+def test_an_inference_is_captured_in_a_cuda_graph_on_a_stream_of_its_own_and_replayed(fake_device):
+    """``Graph``'s driver calls: the launches between the capture's begin and end, one graph
+    launch per replay, and the graph, its executable and its stream destroyed with it."""
+    kernel = cuda.Kernel(fake_device, b"cubin", "scale")
+    buffer = cuda.DeviceBuffer(fake_device, 16)
+    launches = [kernel.prepare(1, 32, [buffer, 3], cooperative=False, stream=None)]
+    calls = len(fake_device.driver.calls)
+
+    def record(stream):
+        assert stream == 0x1000  # the stream cuStreamCreate made
+        for launch in launches:
+            launch()
+
+    graph = cuda.Graph(fake_device, record)
+    graph.launch()
+    graph.launch()
+    del graph
+    gc.collect()
+    driver_calls = [c for c in fake_device.driver.calls[calls:] if c != "cuCtxSetCurrent"]
+    assert driver_calls == ["cuStreamCreate", "cuStreamBeginCapture", "cuLaunchKernel", "cuStreamEndCapture",
+                            "cuGraphInstantiate", "cuGraphLaunch", "cuGraphLaunch", "cuGraphExecDestroy",
+                            "cuGraphDestroy", "cuStreamDestroy"]
+
+
+def test_a_launch_that_cannot_be_captured_is_refused_with_the_drivers_reason(monkeypatch):
+    driver = FakeDriver({"cuLaunchKernel": "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+                         "cuStreamEndCapture": "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"})
+    monkeypatch.setattr(cuda, "_bindings", lambda: driver)
+    device = FakeDevice(driver)
+    kernel = cuda.Kernel(device, b"cubin", "scale")
+    launch = kernel.prepare(4, 32, [7], cooperative=False)
+    with pytest.raises(TargetError, match=r"one inference cannot be captured in a CUDA graph: launch of 'scale' "
+                                          r"\(4 blocks x 32 threads\) failed: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"):
+        cuda.Graph(device, lambda stream: launch())
+    gc.collect()
+    assert [c for c in driver.calls if c != "cuCtxSetCurrent"][-3:] == ["cuLaunchKernel", "cuStreamEndCapture",
+                                                                         "cuStreamDestroy"]
 
 
 def _artifact(**fields) -> KernelArtifact:
@@ -463,6 +512,23 @@ def test_two_stage_grid_sync_at_max_grid(device, two_stage, rng):
     doubled = out.download(np.float32, n)
     np.testing.assert_array_equal(doubled, x * 2)
     np.testing.assert_array_equal(out2.download(np.float32, n), np.roll(doubled, -1))
+
+
+@pytest.mark.gpu
+def test_a_cooperative_launch_replayed_from_a_cuda_graph_syncs_its_grid(device, two_stage, rng):
+    threads = 256
+    grid = device.sms * two_stage.max_active_blocks_per_sm(threads)
+    n = grid * threads * 2 + 5
+    x = rng.standard_normal(n).astype(np.float32)
+    inp, out, out2 = device.upload(x), device.alloc(x.nbytes), device.alloc(x.nbytes)
+    graph = cuda.Graph(device, lambda stream: two_stage.prepare(grid, threads, [inp, out, out2, n], stream=stream)())
+    out2.fill(0xFF)  # capturing ran nothing: the replay writes it
+    device.synchronize()  # the graph's stream does not wait for the default stream's memset
+    graph.launch()
+    device.synchronize()
+    np.testing.assert_array_equal(out2.download(np.float32, n), np.roll(x * 2, -1))
+    times = cuda.time_kernel(graph.launch, device, warmup=2, repeat=5, stream=graph.stream)
+    assert len(times) == 5 and all(t > 0 for t in times)
 
 
 @pytest.mark.gpu

@@ -230,42 +230,72 @@ class Launcher:
                 by_name[name].fill(0xFF)
         return by_name, outputs
 
-    def prepare(self, buffers: dict, launches: list | None = None, counters: dict | None = None) -> list:
-        """One inference as a list of calls, one launch each, in order: the kernels with warps of
-        32 along x and the block's warps along y (``codegen.schedule``), host loops unrolled with
-        their counter passed to the kernels inside. Arguments are packed and checked here, once."""
+    def prepare(self, buffers: dict, launches: list | None = None, counters: dict | None = None,
+                stream=None) -> list:
+        """One inference as a list of calls, one launch each, in order, on ``stream`` (the default
+        stream if None): the kernels with warps of 32 along x and the block's warps along y
+        (``codegen.schedule``), host loops unrolled with their counter passed to the kernels
+        inside. Arguments are packed and checked here, once."""
         counters = counters or {}
         prepared = []
         for launch in self.artifact.launches if launches is None else launches:
             if "loop" in launch:
                 for i in range(launch["trips"]):
-                    prepared += self.prepare(buffers, launch["body"], {**counters, launch["loop"]: np.int64(i)})
+                    prepared += self.prepare(buffers, launch["body"], {**counters, launch["loop"]: np.int64(i)},
+                                             stream)
                 continue
             name = launch["kernel"]
             grid = self.grids[name]
             args = [grid if p == "grid_size" else counters[p] if p in counters else buffers[p]
                     for p in self.artifact.kernels[name]]
             prepared.append(self.kernels[name].prepare(grid, (32, self.artifact.threads // 32, 1), args,
-                                                       cooperative=launch["cooperative"],
+                                                       cooperative=launch["cooperative"], stream=stream,
                                                        shared_bytes=launch["dynamic_shared"]))
         return prepared
+
+    def graph(self, buffers: dict):
+        """One inference on ``buffers`` captured in a CUDA graph (``souffle.runtime.cuda.Graph``):
+        replayed by one driver call however many launches it has."""
+        from souffle.runtime.cuda import Device, Graph
+
+        if not isinstance(self.device, Device):
+            raise TargetError(f"a CUDA graph needs a GPU; {type(self.device).__name__} makes its launches one by one")
+
+        def record(stream):
+            for launch in self.prepare(buffers, stream=stream):
+                launch()
+
+        graph = Graph(self.device, record)
+        # The graph's stream does not wait for the default one, where the buffers were uploaded
+        # and poisoned: that work ends before any replay begins.
+        self.device.synchronize()
+        return graph
 
     def launch(self, buffers: dict) -> None:
         """One inference on ``buffers`` (``arguments``)."""
         for launch in self.prepare(buffers):
             launch()
 
-    def run(self, inputs: list[np.ndarray], poison: bool = False) -> list[np.ndarray]:
+    def run(self, inputs: list[np.ndarray], poison: bool = False, graph: bool = False) -> list[np.ndarray]:
+        """The outputs of one inference; ``graph`` runs it as a replay of its CUDA graph."""
         buffers, outputs = self.arguments(inputs, poison)
-        self.launch(buffers)
+        if graph:
+            self.graph(buffers).launch()
+        else:
+            self.launch(buffers)
         self.device.synchronize()
         return [buffer.download(slot.dtype, slot.shape) for buffer, slot in outputs]
 
-    def benchmark(self, inputs: list[np.ndarray], repeat: int = 50, warmup: int = 5) -> list[float]:
-        """Seconds per inference from CUDA events, inputs uploaded and launches prepared once."""
+    def benchmark(self, inputs: list[np.ndarray], repeat: int = 50, warmup: int = 5,
+                  graph: bool = False) -> list[float]:
+        """Seconds per inference from CUDA events, inputs uploaded and launches prepared once;
+        with ``graph``, each inference a replay of its CUDA graph, captured once."""
         from souffle.runtime.cuda import time_kernel
 
         buffers, _ = self.arguments(inputs)
+        if graph:
+            captured = self.graph(buffers)
+            return time_kernel(captured.launch, self.device, warmup=warmup, repeat=repeat, stream=captured.stream)
         prepared = self.prepare(buffers)
 
         def inference():

@@ -578,6 +578,50 @@ class Module:
         _check(self.device._current().cuMemsetD8(pointer, 0, nbytes), f"cuMemsetD8({name})")
 
 
+class Graph:
+    """One inference's launches captured once in a CUDA graph on a stream of its own, then
+    replayed with one driver call (``launch``): the host's cost per inference no longer grows
+    with its launches, and a one-kernel model's latency is the GPU's, as torch's CUDA-graph mode
+    is timed. ``record(stream)`` makes the launches, on ``stream``; a launch the driver cannot
+    capture (a cooperative one on a driver without it) is refused with the driver's reason."""
+
+    def __init__(self, device: Device, record):
+        cu = device._current()
+        self.device = device
+        self.stream = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+        handles = [None, None]  # the graph and its executable, once made: the finalizer destroys them
+        self._finalizer = weakref.finalize(self, _destroy_graph, device, self.stream, handles)
+        _check(cu.cuStreamBeginCapture(self.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+               "cuStreamBeginCapture")
+        try:
+            record(self.stream)
+        except TargetError as err:
+            ended, *graph = cu.cuStreamEndCapture(self.stream)  # the stream leaves capture; the launch's error
+            handles[0] = graph[0] if ended == cu.CUresult.CUDA_SUCCESS and graph else None  # is the one to report
+            raise TargetError(f"one inference cannot be captured in a CUDA graph: {err}") from None
+        except BaseException:
+            cu.cuStreamEndCapture(self.stream)
+            raise
+        handles[0] = _check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        self.exec = handles[1] = _check(cu.cuGraphInstantiate(handles[0], 0), "cuGraphInstantiate")
+        self._recorded = record  # its launches hold the buffers whose pointers the graph passes
+
+    def launch(self) -> None:
+        cu = self.device._current()
+        _check(cu.cuGraphLaunch(self.exec, self.stream), "cuGraphLaunch")
+
+
+def _destroy_graph(device: Device, stream, graph_and_exec: list) -> None:
+    cu = _bindings()
+    cu.cuCtxSetCurrent(device.context)
+    graph, graph_exec = graph_and_exec
+    if graph_exec is not None:
+        cu.cuGraphExecDestroy(graph_exec)
+    if graph is not None:
+        cu.cuGraphDestroy(graph)
+    cu.cuStreamDestroy(stream)  # from the garbage collector, where raising would only print
+
+
 def _unload(device: Device, module) -> None:
     cu = _bindings()
     cu.cuCtxSetCurrent(device.context)
@@ -613,12 +657,13 @@ def _kernel_params(args: list) -> tuple[tuple, tuple]:
     return tuple(values), tuple(types)
 
 
-def time_kernel(run, device: Device, warmup: int = 5, repeat: int = 50) -> list[float]:
+def time_kernel(run, device: Device, warmup: int = 5, repeat: int = 50, stream=None) -> list[float]:
     """Seconds taken by each of ``repeat`` calls of ``run()``, after ``warmup`` untimed calls.
 
-    Each call is bracketed by a pair of CUDA events on the default stream (where ``run`` must
-    launch) and waited for before the next, so a time covers the launches and the GPU work of
-    one call, with no overlap between calls; the one pair is reused, being idle between calls.
+    Each call is bracketed by a pair of CUDA events on ``stream`` (the default stream if None),
+    where ``run`` must launch, and waited for before the next, so a time covers the launches and
+    the GPU work of one call, with no overlap between calls; the one pair is reused, being idle
+    between calls.
     """
     cu = device._current()
     for _ in range(warmup):
@@ -628,9 +673,9 @@ def time_kernel(run, device: Device, warmup: int = 5, repeat: int = 50) -> list[
     try:
         times = []
         for _ in range(repeat):
-            _check(cu.cuEventRecord(start, 0), "cuEventRecord")
+            _check(cu.cuEventRecord(start, 0 if stream is None else stream), "cuEventRecord")
             run()
-            _check(cu.cuEventRecord(stop, 0), "cuEventRecord")
+            _check(cu.cuEventRecord(stop, 0 if stream is None else stream), "cuEventRecord")
             _check(cu.cuEventSynchronize(stop), "cuEventSynchronize")
             times.append(_check(cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3)
         return times
