@@ -53,6 +53,10 @@ def _compile(args) -> int:
     report = compiled.report()
     report.run_seconds = statistics.median(times)
     report.extra["run spread"] = f"min {min(times) * 1e3:.3f} ms, max {max(times) * 1e3:.3f} ms over {len(times)} runs"
+    if args.target == "cuda":
+        replays = compiled.benchmark(inputs, repeat=args.repeat, graph=True)
+        report.extra["run in a CUDA graph"] = (f"median {statistics.median(replays) * 1e3:.3f} ms over {len(replays)} "
+                                               "replays (the launches in one call: the host's launch cost left out)")
     status = 0
     if args.check:
         if onnx_file:
