@@ -16,7 +16,8 @@ that dtype):
 - ``compile``: ``torch.compile`` with its default mode;
 - ``max-autotune``: ``torch.compile(mode="max-autotune")`` (which replays CUDA graphs itself).
 
-Each is checked against the bundle's expected outputs (the CPU reference it was exported with),
+Float32 arithmetic is IEEE float32 in every mode (``ieee_float32``: cuDNN's default is TF32 for
+float32 convolutions), as in Souffle's fp32 kernels. Each is checked against the bundle's expected outputs (the CPU reference it was exported with),
 timed with CUDA events (``--warmup`` runs, median of ``--repeat``), and its kernels per
 inference counted with the torch profiler. A mode not started because ``--budget`` seconds had
 passed is a row that says so. With ``--souffle gpu_kernels.json`` the table also shows Souffle's
@@ -46,6 +47,21 @@ from souffle.precision import DEFAULT_PRECISION, PRECISIONS
 from souffle.runtime.check import Check
 
 MODES = ("eager", "cuda-graph", "reduce-overhead", "compile", "max-autotune")  # cheapest to set up first
+
+
+def ieee_float32() -> str:
+    """Turns TF32 off for PyTorch's float32 matmuls and convolutions, so that its fp32 rows do
+    the arithmetic Souffle's fp32 kernels do. cuDNN's default runs float32 convolutions in TF32
+    (10-bit mantissas on tensor cores): the H100 runs before this compared Souffle's IEEE float32
+    ResNeXt and EfficientNet with TF32 ones. Returns what was set, for the results."""
+    import torch
+
+    conv, matmul = getattr(torch.backends.cudnn, "conv", None), getattr(torch.backends.cuda, "matmul", None)
+    if hasattr(conv, "fp32_precision") and hasattr(matmul, "fp32_precision"):  # torch 2.9 on: mixing APIs fails
+        conv.fp32_precision = matmul.fp32_precision = "ieee"
+    else:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    return "ieee (TF32 off for matmuls and cuDNN convolutions)"
 
 
 def _module(name: str, config: str, precision: str):
@@ -206,6 +222,7 @@ def main() -> None:
     souffle = {}
     if args.souffle and args.souffle.exists():
         souffle = {r["bundle"]: r for r in json.loads(args.souffle.read_text())["results"]}
+    float32 = ieee_float32()
     bundles, rows = {}, []
     for mode in args.modes:  # every bundle in one mode before the next, slower to set up, mode
         for path in paths:
@@ -217,8 +234,8 @@ def main() -> None:
                 row = bundle.measure(mode, args.warmup, args.repeat)
             except Exception as e:  # a model that cannot be built is its row's finding
                 row = {"bundle": path.name, "mode": mode, "status": f"failed: {type(e).__name__}: {e}"[:300]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append({**row, "float32": float32})
+            print(json.dumps(rows[-1]), flush=True)
             # written after every row: a run stopped at its time limit keeps what it measured
             common.write("gpu_torch", {"command": common.command(), "results": rows}, table(rows, souffle),
                          args.results)

@@ -126,3 +126,13 @@ def test_a_failed_check_row_says_how_many_elements_miss_the_tolerance_and_by_how
     assert (row["graph"], row["graph_median_ms"]) == ("same outputs", pytest.approx(1.0))
     assert row["worst_excess"] == pytest.approx(0.05, abs=1e-6)
     assert "FAIL (0.2); 1 outside rtol/atol 0.05/0.05 by up to 0.05 |" in gpu_kernels.kernels_table([row])
+
+
+def test_pytorchs_float32_rows_run_ieee_float32_not_tf32():
+    """cuDNN runs float32 convolutions in TF32 by default; the baselines turn that off, so that
+    PyTorch's fp32 rows do Souffle's fp32 arithmetic (in a process of its own: the flags are global)."""
+    probe = ("import gpu_torch, torch; print(gpu_torch.ieee_float32()); "
+             "print(torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT / "benchmarks", capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["ieee (TF32 off for matmuls and cuDNN convolutions)", "ieee ieee"]
