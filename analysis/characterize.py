@@ -82,6 +82,21 @@ class StageCost:
     time_s: float  # roofline estimate: max(compute time, memory time)
 
 
+def same_elements_axis(reduction: te.Tensor, max_extent: int) -> int | None:
+    """The extent of ``reduction``'s last output axis where it is at most ``max_extent`` and
+    indexes none of its loads, else None: its outputs along that axis read the same elements (a
+    row's moments, the sums of d and of d^2, side by side)."""
+    if not reduction.op.reduce_axis or not reduction.op.axis:
+        return None
+    last = reduction.op.axis[-1]
+    if int(last.dom.extent) > max_extent:
+        return None
+    for load in tensor_loads(reduction.op.body[0]):
+        if any(v.same_as(last.var) for index in load.indices for v in tirx.analysis.undefined_vars(index)):
+            return None
+    return int(last.dom.extent)
+
+
 def is_gemm(reduction: te.Tensor | None) -> bool:
     """A sum of products whose two factors are each reused along an output axis the other
     varies with (an axis longer than 1): dense, matmul, convolution. Not a GEMV (its vector

@@ -59,7 +59,8 @@ from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import get_root_block
 
 from analysis.affine import recompute, row_major
-from analysis.dependence import IslWriter, NotAffine, tensor_loads
+from analysis.characterize import same_elements_axis
+from analysis.dependence import TENSOR_LOAD, IslWriter, NotAffine, is_call_to, tensor_loads
 from codegen.stitch import align
 from codegen.tensor_core import TILES, TensorCoreTile, pipeline_chunks, tensor_core_schedule
 from souffle.errors import SouffleError
@@ -165,15 +166,7 @@ def warp_outputs(reduction: te.Tensor) -> int:
     tiles of the stage that made the rows' statistics do: with a warp for each of a LayerNorm's
     two moments, a tile of 8 warps held 4 rows where the row sums' held 8, and the moments of
     rows 4-7 were a grid barrier away from their sums (paper BERT: 25 more barriers)."""
-    if not reduction.op.reduce_axis or not reduction.op.axis:
-        return WARP_REDUCE_ROWS
-    last = reduction.op.axis[-1]
-    if int(last.dom.extent) > SAME_ELEMENTS_AXIS_MAX:
-        return WARP_REDUCE_ROWS
-    for load in tensor_loads(reduction.op.body[0]):
-        if any(v.same_as(last.var) for index in load.indices for v in tirx.analysis.undefined_vars(index)):
-            return WARP_REDUCE_ROWS
-    return WARP_REDUCE_ROWS * int(last.dom.extent)
+    return WARP_REDUCE_ROWS * (same_elements_axis(reduction, SAME_ELEMENTS_AXIS_MAX) or 1)
 
 
 def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
@@ -303,7 +296,9 @@ def widened_operands(tensor: te.Tensor) -> te.Tensor:
     reduction = stage_reduction(tensor)
     if reduction is None or str(reduction.dtype) != "float32":
         return tensor
-    narrow = {t.op: t for t in reduction.op.input_tensors if str(t.dtype) in ("float16", "bfloat16")}
+    uncast = _read_uncast(reduction.op.body[0])
+    narrow = {t.op: t for t in reduction.op.input_tensors
+              if str(t.dtype) in ("float16", "bfloat16") and not any(t.op.same_as(op) for op in uncast)}
     if not narrow:
         return tensor
     wide = {op: _as_float32(t) for op, t in narrow.items()}
@@ -323,6 +318,40 @@ def stage_reduction(tensor: te.Tensor) -> te.Tensor | None:
 def epilogue_reduction(epilogue: te.Tensor) -> te.Tensor | None:
     """The reduction an epilogue reads (its first input that is one), or None."""
     return next((t for t in epilogue.op.input_tensors if getattr(t.op, "reduce_axis", None)), None)
+
+
+def _read_uncast(expr) -> list[te.Operation]:
+    """The operations of the tensors ``expr`` reads other than as the operand of a cast to float32
+    (a LayerNorm's row recomputed from float16 operands added in float16): a float32 copy cannot
+    stand in for those reads."""
+    found = []
+
+    def walk(e, cast: bool):
+        if is_call_to(e, TENSOR_LOAD):
+            if not cast:
+                found.append(e.args[0].op)
+            for index in e.args[1:]:
+                walk(index, False)
+        elif isinstance(e, tirx.Reduce):
+            for source in e.source:
+                walk(source, False)
+            walk(e.condition, False)
+        elif isinstance(e, tirx.Cast):
+            walk(e.value, str(e.ty.dtype) == "float32")
+        elif isinstance(e, tvm.ir.expr.Call):
+            for arg in e.args:
+                walk(arg, False)
+        elif isinstance(e, tirx.Select):
+            for child in (e.condition, e.true_value, e.false_value):
+                walk(child, False)
+        else:
+            for name in ("a", "b", "value"):
+                child = getattr(e, name, None)
+                if child is not None and not isinstance(child, (int, float)):
+                    walk(child, False)
+
+    walk(expr, False)
+    return found
 
 
 def _as_float32(tensor: te.Tensor) -> te.Tensor:

@@ -251,6 +251,19 @@ def test_narrow_operands_are_widened_into_float32_slices_and_match_numpy_on_emul
         np.testing.assert_allclose(output, expected, rtol=2e-2, atol=2e-2, err_msg=order)
 
 
+def test_only_operands_read_as_float32_are_widened():
+    """A float32 copy stands in for a narrow operand only where every read of it is cast to
+    float32 (a GEMM's); a LayerNorm's row sum recomputing float16 additions reads its operands
+    in float16, and is left as it is (a copy there was a float16 + float32 add TVM refuses)."""
+    x, w = te.placeholder((64, 32), "float16", "x"), te.placeholder((48, 32), "float16", "w")
+    k = te.reduce_axis((0, 32), "k")
+    gemm = te.compute((64, 48), lambda i, j: te.sum(x[i, k].astype("float32") * w[j, k].astype("float32"), axis=k))
+    widened = codegen.schedule.widened_operands(gemm)
+    assert sorted(t.op.name for t in widened.op.input_tensors) == ["w_f32", "x_f32"]
+    row = te.compute((64,), lambda i: te.sum((x[i, k] + w[i % 48, k]).astype("float32"), axis=k))
+    assert codegen.schedule.widened_operands(row) is row
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
 def test_two_gemms_in_one_block_match_numpy():
     graph, inputs, expected = _two_gemms()

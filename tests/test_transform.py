@@ -78,6 +78,30 @@ def test_arithmetic_is_inlined_only_into_a_reduction_that_reads_it_once():
     assert not inlinable(activated, [row_sum])  # the epilogue of a reduction of its size stays one
 
 
+def test_arithmetic_is_inlined_into_a_reduction_whose_short_last_axis_reads_the_same_elements():
+    """LayerNorm's moments (d and d^2 side by side, [rows, 2]) read each element of the row once
+    per output of their last axis, which indexes no load: one warp computes both, so the sum of a
+    split GEMM's parts and the residual is recomputed there, not stored behind a grid barrier.
+    An axis of 2 that indexes a load (two weights' products) reads the element for two warps."""
+    parts = te.placeholder((2, 4, 8), name="parts")
+    residual = te.placeholder((4, 8), name="residual")
+    w = te.placeholder((2, 8), name="w")
+    k, kd, kw = (te.reduce_axis((0, 8), name) for name in ("k", "kd", "kw"))
+    summed = te.compute((4, 8), lambda i, j: parts[0, i, j] + parts[1, i, j] + residual[i, j], name="summed")
+    row_sum = te.compute((4,), lambda i: te.sum(summed[i, k], axis=k), name="row_sum")
+    def deviation(i):
+        return summed[i, kd] - row_sum[i]
+
+    moments = te.compute((4, 2), lambda i, m: te.sum(tirx.Select(m == 0, deviation(i), deviation(i) * deviation(i)),
+                                                     axis=kd), name="moments")
+    normalized = te.compute((4, 8), lambda i, j: (summed[i, j] - moments[i, 0]) * moments[i, 1], name="normalized")
+    assert inlinable(summed, [row_sum, moments, normalized])
+    products = te.compute((4, 2), lambda i, n: te.sum(summed[i, kw] * w[n, kw], axis=kw), name="products")
+    assert not inlinable(summed, [products])
+    wide = te.compute((4, 8), lambda i, m: te.sum(summed[i, kd] * (m + 1.0), axis=kd), name="wide")
+    assert not inlinable(summed, [wide])  # an axis of 8: longer than one warp's few outputs
+
+
 def _query_by_key(halves: int = 2):
     """BERT's self-attention scores, small: a dense with bias (two heads' query and key in one
     [8, 32] product), ``halves`` of whose column halves are reshaped to heads and transposed,
