@@ -259,4 +259,16 @@ def place_barriers(staged: StagedProgram) -> StagedProgram:
     barriers = _BarrierPass()
     barriers.scope.trips = {loop.var: loop.trips for loop in loops_in(items)}
     barriers.run(items)
+    for loop in loops_in(items):
+        if loop.barrier is not None and not loop.loads and _opens_with_a_barrier(loop):
+            loop.barrier = None
     return staged.with_items(items)
+
+
+def _opens_with_a_barrier(loop: Loop) -> bool:
+    """Whether every iteration of ``loop`` starts with a grid barrier (its first stage reads what
+    the iteration before wrote): then the first iteration's is the loop's too, and one before the
+    loop would follow the last stage before it with a barrier and nothing between them (paper
+    BERT: after the embeddings' LayerNorm, 1.2 us on the H100)."""
+    first = loop.items[0] if loop.items else None
+    return isinstance(first, Stage) and first.barrier is not None

@@ -16,6 +16,7 @@ from codegen.stage import isolate, stage_program
 from codegen.staged import Loop, copy_items, stages_in
 from codegen.stitch import BufferRef
 from souffle.compiled import CpuModel
+from souffle.compiler import run_passes
 from souffle import models
 from souffle.graph import GraphBuilder, TensorSpec
 from souffle.lower import lower_graph
@@ -203,3 +204,15 @@ def test_a_reduction_reading_one_tensor_as_both_operands_gets_a_placeholder_for_
     squares = te.compute((8,), lambda i: te.sum(qk[i, c] * qk[i, c], axis=c), name="squares")
     for single in (halves, squares):
         assert [t.op for t in isolate(single)[2]] == [qk.op, w.op][:len(single.op.input_tensors)]
+
+
+def test_a_loop_whose_iterations_open_with_a_grid_barrier_has_none_before_it():
+    """Tiny BERT's encoder loop: each iteration's first stage reads the hidden states the last
+    one wrote, in other blocks, so every iteration opens with a grid barrier; the first one also
+    orders the loop after the embeddings' LayerNorm, and a barrier before the loop would follow
+    that LayerNorm with nothing between the two."""
+    plan = run_passes(models.build("bert", "tiny"), "cuda", stop="plan_arena").ir
+    (loop,) = [item for item in plan.items if isinstance(item, Loop)]
+    assert not loop.loads and loop.barrier is None
+    assert loop.items[0].barrier.startswith("reads hidden_states written by ")
+    assert plan.barrier_count(executed=True) == 15

@@ -42,7 +42,7 @@ def bundles(tmp_path_factory):
 
 def test_segments_are_the_barriers_executed_plus_one_with_the_models_estimates(bert):
     parts = timeline.segments(bert.plan, bert.latency)
-    assert len(parts) == bert.plan.barrier_count(executed=True) + 1 == 17
+    assert len(parts) == bert.plan.barrier_count(executed=True) + 1 == 16
     stages = [name for part in parts for name in part.stages]
     assert len(stages) == len(set(stages))  # each stage execution in exactly one segment
     launches = bert.latency.launches * bert.latency.device.launch_seconds
@@ -90,7 +90,7 @@ def test_the_timeline_build_runs_on_emulated_threads_and_takes_every_stamp(bundl
 def test_a_kernel_that_takes_another_count_of_stamps_is_refused(bundles):
     check, built = Check.load(bundles / "bert_tiny_O4"), Timeline.load(bundles / "bert_tiny_O4")
     built.segments = built.segments[:-1]
-    with pytest.raises(ArtifactError, match="took 17 stamps, its timeline has 16 segments"):
+    with pytest.raises(ArtifactError, match="took 16 stamps, its timeline has 15 segments"):
         measure(check, built, repeat=1, warmup=0, device=EmulatedDevice(grid=4))
 
 
@@ -98,7 +98,7 @@ def test_timeline_files_are_checked_and_absent_where_there_is_none(bundles):
     static = json.loads((bundles / "mmoe_tiny_O4" / "static.json").read_text())
     assert static["timeline"].startswith("none: the source has no grid barrier helper")
     assert Timeline.load(bundles / "mmoe_tiny_O4") is None
-    assert json.loads((bundles / "bert_tiny_O4" / "static.json").read_text())["timeline"] == "timeline.json: 17 segments"
+    assert json.loads((bundles / "bert_tiny_O4" / "static.json").read_text())["timeline"] == "timeline.json: 16 segments"
     resources = Timeline.load(bundles / "bert_tiny_O4").resources
     assert resources["timeline"] == resources["kernel"] and resources["kernel"]["registers"] > 0
     cubin = bundles / "bert_tiny_O4" / "timeline.sm_90.cubin"
