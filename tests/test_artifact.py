@@ -306,7 +306,7 @@ class _RecordingDevice:
     def synchronize(self):
         self.calls.append("synchronize")
 
-    def prepare(self, grid, threads, args, cooperative, shared_bytes):
+    def prepare(self, grid, threads, args, cooperative, shared_bytes, stream=None):
         self.calls.append("prepare")
         return lambda: self.calls.append("launch")
 
