@@ -168,8 +168,11 @@ def test_paper_efficientnet_at_fp16_departs_from_float32_as_pytorchs_own_autocas
     assert np.abs(output - exact).max() < 2 * np.abs(expected - exact).max()
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-@pytest.mark.parametrize("name", MODELS)
+# Swin at bf16 (20 s) runs with -m slow: Swin at fp16 and the other models at bf16 are checked by
+# default, and the suite is at its 20-minute budget (a fresh clone took 18:28).
+@pytest.mark.parametrize("name, precision", [
+    *((name, precision) for precision in ("fp16", "bf16") for name in MODELS if (name, precision) != ("swin", "bf16")),
+    pytest.param("swin", "bf16", marks=pytest.mark.slow)])
 def test_tiny_models_match_pytorch_at_narrow_precisions_on_the_cpu(name, precision):
     graph = models.build(name, config="tiny")
     inputs = models.make_inputs(name, config="tiny", seed=1)

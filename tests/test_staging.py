@@ -113,8 +113,11 @@ def _check_on_cpu(name, config, threads):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=out)
 
 
-@pytest.mark.parametrize("name", models.MODELS)
-@pytest.mark.parametrize("threads", [32, 256])
+# Swin at 256 threads (20 s) runs with -m slow: at 32 threads its stages, tiles and barriers are
+# checked by default, and the suite is at its 20-minute budget (a fresh clone took 18:28).
+@pytest.mark.parametrize("name, threads", [
+    *((name, threads) for threads in (32, 256) for name in models.MODELS if (name, threads) != ("swin", 256)),
+    pytest.param("swin", 256, marks=pytest.mark.slow)])
 def test_staged_program_on_cpu_matches_pytorch(name, threads):
     _check_on_cpu(name, "tiny", threads)
 
