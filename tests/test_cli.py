@@ -4,6 +4,7 @@ import pytest
 
 from codegen.pipelines import CUDA, LLVM
 from souffle.cli import main
+from souffle.errors import TargetError
 from souffle.runtime.cuda import gpu_available
 
 
@@ -85,7 +86,7 @@ def test_cuda_run_without_a_gpu_exits_2_with_the_reason(capsys):
     assert "target 'cuda' needs an NVIDIA GPU and driver" in capsys.readouterr().err
 
 
-def test_a_cuda_run_reports_its_cuda_graph_replays_beside_the_direct_launches(monkeypatch, capsys):
+def test_a_cuda_run_reports_its_cuda_graph_replays_beside_the_direct_launches_or_why_not(monkeypatch, capsys):
     """Timed per call, the direct launches include the host's launch cost; the report also gives
     the inference replayed from a CUDA graph (the GPU's own run stood in for here)."""
     from souffle.cuda_model import CudaModel
@@ -97,6 +98,16 @@ def test_a_cuda_run_reports_its_cuda_graph_replays_beside_the_direct_launches(mo
     out = capsys.readouterr().out
     assert "min 0.030 ms, max 0.030 ms over 3 runs" in out
     assert "median 0.020 ms over 3 replays (the launches in one call: the host's launch cost left out)" in out
+
+    def uncapturable(self, inputs, repeat, graph=False):
+        if graph:
+            raise TargetError("one inference cannot be captured in a CUDA graph: launch failed: CUDA_ERROR_X")
+        return [3e-5] * repeat
+
+    monkeypatch.setattr(CudaModel, "benchmark", uncapturable)
+    assert main(["compile", "mmoe", "--target", "cuda", "--device", "h100", "--repeat", "3"]) == 0
+    assert "not run: one inference cannot be captured in a CUDA graph: launch failed: CUDA_ERROR_X" in \
+        capsys.readouterr().out
 
 
 def test_persistent_cpu_target_checks_against_pytorch(capsys):
