@@ -19,9 +19,10 @@ that dtype):
 Float32 arithmetic is IEEE float32 in every mode (``ieee_float32``: cuDNN's default is TF32 for
 float32 convolutions), as in Souffle's fp32 kernels. Each is checked against the bundle's
 expected outputs (the CPU reference it was exported with), timed with CUDA events (``--warmup``
-runs, median of ``--repeat``), and its kernels per inference counted with the torch profiler. A mode not started because ``--budget`` seconds had
-passed is a row that says so. With ``--souffle gpu_kernels.json`` the table also shows Souffle's
-time for the same bundle and the speedup over each mode.
+runs, median of ``--repeat``), and its kernels per inference counted with the torch profiler. A
+mode not started because ``--budget`` seconds had passed is a row that says so. With ``--souffle
+gpu_kernels.json`` the table also shows Souffle's time for the same bundle and the speedup over
+each mode.
 """
 
 from __future__ import annotations

@@ -89,6 +89,7 @@ def test_arithmetic_is_inlined_into_a_reduction_whose_short_last_axis_reads_the_
     k, kd, kw = (te.reduce_axis((0, 8), name) for name in ("k", "kd", "kw"))
     summed = te.compute((4, 8), lambda i, j: parts[0, i, j] + parts[1, i, j] + residual[i, j], name="summed")
     row_sum = te.compute((4,), lambda i: te.sum(summed[i, k], axis=k), name="row_sum")
+
     def deviation(i):
         return summed[i, kd] - row_sum[i]
 
