@@ -83,7 +83,8 @@ KERNEL_LAUNCH_SECONDS = 3e-6
 L2_BYTES_PER_CLOCK = 5120
 
 # NVIDIA H100 SXM5 80GB (GH100, compute capability 9.0). H100 datasheet: 3.35 TB/s HBM3, FP32 67 TFLOP/s,
-# FP16 and BF16 tensor core 1,979 TFLOP/s each with 2:4 sparsity, i.e. 989.5 dense. H100 architecture
+# FP16 and BF16 tensor core 1,979 TFLOP/s each with 2:4 sparsity, i.e. 989.5 dense; TF32 tensor core 989
+# with sparsity, 494.7 dense (the ``tf32`` key: float32 operands multiplied in TF32, ``precision="tf32"``). H100 architecture
 # whitepaper: 132 SMs, 128 FP32 lanes per SM, 50 MB L2; the FP32 peak is reached at 67e12 / (132 x 128 x 2)
 # = 1.98 GHz, the SXM5 boost clock. CUDA Programming Guide, cc 9.0: the same per-SM and per-block limits as the H200.
 H100 = DeviceModel(
@@ -91,7 +92,7 @@ H100 = DeviceModel(
     kind="gpu",
     arch="sm_90",
     sms=132,
-    peak_flops={"float32": 67e12, "float16": 989.5e12, "bfloat16": 989.5e12},
+    peak_flops={"float32": 67e12, "float16": 989.5e12, "bfloat16": 989.5e12, "tf32": 494.7e12},
     mem_bandwidth=3.35e12,
     smem_per_sm=228 * KiB,
     smem_per_block=227 * KiB,
@@ -116,7 +117,7 @@ H100 = DeviceModel(
 H200 = dataclasses.replace(H100, name="h200", mem_bandwidth=4.8e12)  # the H100 die with HBM3e
 
 # NVIDIA A100 SXM4 40GB (GA100, compute capability 8.0). A100 datasheet: 1,555 GB/s HBM2, FP32
-# 19.5 TFLOP/s, FP16 and BF16 tensor core 312 TFLOP/s dense. A100 architecture whitepaper: 108 SMs,
+# 19.5 TFLOP/s, FP16 and BF16 tensor core 312 TFLOP/s dense, TF32 tensor core 156 dense. A100 architecture whitepaper: 108 SMs,
 # 64 FP32 lanes per SM, 1,410 MHz boost clock (19.5e12 = 108 x 64 x 2 x 1.41e9), 40 MB L2 with 5,120
 # bytes per clock.
 # CUDA Programming Guide, cc 8.0: 164 KB shared memory per SM, 163 KB per block, 64K registers per
@@ -126,7 +127,7 @@ A100 = DeviceModel(
     kind="gpu",
     arch="sm_80",
     sms=108,
-    peak_flops={"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12},
+    peak_flops={"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12, "tf32": 156e12},
     mem_bandwidth=1.555e12,
     smem_per_sm=164 * KiB,
     smem_per_block=163 * KiB,
@@ -166,8 +167,8 @@ def local_cpu() -> DeviceModel:
 
     Peak: logical cores (``os.cpu_count()``) x fp32 SIMD lanes (16 with AVX-512, 8 with AVX2/FMA,
     else 4) x 2 (an FMA is two FLOPs) x 2 FMA units x the "cpu MHz" clock, an upper bound where
-    hyperthreads share a core's units or a core has one FMA unit; float16 and bfloat16 get the same
-    figure, as no CPU path here computes them faster.
+    hyperthreads share a core's units or a core has one FMA unit; float16, bfloat16 and TF32 get the
+    same figure, as no CPU path here computes them faster.
     Bandwidth is measured (``measure_copy_bandwidth``). A core plays an SM: its private L2 stands
     for shared memory, the last-level cache for the GPU's L2, its vector register file (in 32-bit
     words) for registers, and its SIMD lanes for a warp; a block is one thread on one core. A
@@ -192,7 +193,7 @@ def local_cpu() -> DeviceModel:
         kind="cpu",
         arch=info.get("model name") or platform.processor() or platform.machine() or "unknown CPU",
         sms=cores,
-        peak_flops={"float32": peak, "float16": peak, "bfloat16": peak},
+        peak_flops={"float32": peak, "float16": peak, "bfloat16": peak, "tf32": peak},
         mem_bandwidth=measure_copy_bandwidth(),
         smem_per_sm=private_l2,
         smem_per_block=private_l2,

@@ -39,8 +39,8 @@ times its executions (scan bodies run once per trip), ``GRID_SYNC_SECONDS`` per 
 executed and ``DeviceModel.launch_seconds`` per kernel launched. Its roofline bound is
 ``max(FLOPs at peak, compulsory bytes at DRAM bandwidth)``: no schedule beats it. A stage's
 ``fraction_of_peak`` is its FLOPs over its time at the peak of its dtype (the FMA peak for
-float32, the tensor-core peak for float16 and bfloat16), the figure the 40%-of-peak goal for GEMM-shaped
-stages is checked against.
+float32, the tensor-core peak for float16 and bfloat16, and for float32 operands multiplied in TF32
+the ``tf32`` one), the figure the 40%-of-peak goal for GEMM-shaped stages is checked against.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class StageWork:
 
     name: str
     template: str
-    dtype: str
+    dtype: str  # the arithmetic's, whose peak it runs at ("tf32": float32 operands on tensor cores)
     executions: int  # per inference: the product of the enclosing loops' trips
     n_tiles: int
     threads: int  # per block
@@ -200,7 +200,7 @@ def estimate_stage(work: StageWork, device: DeviceModel) -> StageEstimate:
         "dram": work.dram_bytes / device.mem_bandwidth / gpu_share,
     }
     seconds = max(times.values())
-    # the peak of the stage's dtype: FMA for float32, tensor cores for float16 and bfloat16 (the goal's peaks)
+    # the peak of the stage's dtype: FMA for float32, tensor cores for float16, bfloat16 and tf32 (the goal's peaks)
     fraction = work.flops / (seconds * device.peak(work.dtype)) if work.flops and seconds else None
     return StageEstimate(work, seconds, times, fraction)
 

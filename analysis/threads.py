@@ -58,7 +58,7 @@ BLOCK = "bx"
 LANE = "tx"
 WARP_INDEX = "ty"
 THREAD_TAGS = {"threadIdx.x": LANE, "threadIdx.y": WARP_INDEX}
-FRAGMENT = 16  # the side of a wmma tile (m16n16k16)
+FRAGMENT_SHAPES = ((16, 16, 16), (16, 16, 8))  # wmma's m16n16k16 (halves, bfloat16s) and m16n16k8 (TF32)
 # wmma's operations: every lane of the warp must run each of them together
 WARP_COLLECTIVE = ("tirx.tvm_fill_fragment", "tirx.tvm_load_matrix_sync", "tirx.tvm_store_matrix_sync",
                    "tirx.tvm_mma_sync")
@@ -699,16 +699,26 @@ class Walker:
         return False, False
 
     def fragment_tile(self, call: tvm.ir.Call, write: bool, ctx: Context, stmt):
-        """wmma's load or store of a 16 x 16 tile (``tvm_load_matrix_sync(fragment, 16, 16, 16,
-        index, address_of(buffer[offset]), stride, layout)``), a warp-collective access of
+        """wmma's load or store of a tile (``tvm_load_matrix_sync(fragment, m, n, k, index,
+        address_of(buffer[offset]), stride, layout)``), a warp-collective access of
         ``offset + major * stride + minor``: a load reads the whole tile in every lane (the
         fragment is spread over the warp in an unspecified layout, so each lane's load depends on
         all of it); a store writes each element once, lane l the 8 from element 8 l of the tile in
-        memory order, as the emulator's ``mma.h`` does. The fragments themselves are registers."""
+        memory order, as the emulator's ``mma.h`` does. The fragments themselves are registers.
+        The tile is m x k for a ``matrix_a`` fragment, k x n for ``matrix_b``, m x n for the
+        accumulator, in rows (``row_major``: major) or columns (``col_major``)."""
         shape = [a.value if isinstance(a, tirx.IntImm) else None for a in call.args[1:4]]
-        if shape != [FRAGMENT, FRAGMENT, FRAGMENT]:
-            self.kernel.errors.append(f"wmma: a fragment of shape {shape}; the validator models m16n16k16 only")
+        if tuple(shape) not in FRAGMENT_SHAPES:
+            self.kernel.errors.append(f"wmma: a fragment of shape {shape}; the validator models "
+                                      f"{' and '.join('m{}n{}k{}'.format(*f) for f in FRAGMENT_SHAPES)} only")
             return
+        m, n, k = shape
+        fragment = call.args[0].args[0] if isinstance(call.args[0], tvm.ir.Call) else None
+        scope = fragment.scope() if fragment is not None and hasattr(fragment, "scope") else "wmma.accumulator"
+        rows, columns = {"wmma.matrix_a": (m, k), "wmma.matrix_b": (k, n)}.get(scope, (m, n))
+        column_major = len(call.args) > 7 and isinstance(call.args[7], tvm.ir.StringImm) and \
+            call.args[7].value == "col_major"
+        extents = (columns, rows) if column_major else (rows, columns)
         pointer, stride = call.args[5], call.args[6]
         if not (isinstance(pointer, tvm.ir.Call) and pointer.op.name == "tirx.address_of"):
             self.kernel.errors.append(f"wmma: a tile at {pointer}, not the address of a buffer element")
@@ -717,12 +727,12 @@ class Walker:
         self.reads(load.indices[0], ctx, stmt)
         memory = self.memory(load.source)
         major, minor = f"f{next(self.ids)}", f"f{next(self.ids)}"
-        for v in (major, minor):
-            self.kernel.bounds[v] = (0, FRAGMENT - 1)
-        domain = ctx.domain + [f"0 <= {major}{{s}} < {FRAGMENT}", f"0 <= {minor}{{s}} < {FRAGMENT}"]
-        share = FRAGMENT * FRAGMENT // WARP
+        for v, extent in zip((major, minor), extents):
+            self.kernel.bounds[v] = (0, extent - 1)
+        domain = ctx.domain + [f"0 <= {major}{{s}} < {extents[0]}", f"0 <= {minor}{{s}} < {extents[1]}"]
+        share = rows * columns // WARP
         if write:
-            domain.append(f"{share} * {LANE}{{s}} <= {FRAGMENT} * {major}{{s}} + {minor}{{s}} < "
+            domain.append(f"{share} * {LANE}{{s}} <= {extents[1]} * {major}{{s}} + {minor}{{s}} < "
                           f"{share} * {LANE}{{s}} + {share}")
         variables = ctx.variables + [major, minor]
         self.conv.assumed = []

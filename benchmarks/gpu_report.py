@@ -30,7 +30,7 @@ from gpu_kernels import outside_cell, timeline_table
 from gpu_variants import VARIANTS, split
 
 TORCH_MODES = ("eager", "cuda-graph", "reduce-overhead", "compile", "max-autotune")
-BUNDLE = re.compile(r"(?P<model>[a-z]+)_(?P<config>tiny|paper)_O(?P<level>\d)(?:_(?P<precision>fp16|bf16))?$")
+BUNDLE = re.compile(r"(?P<model>[a-z]+)_(?P<config>tiny|paper)_O(?P<level>\d)(?:_(?P<precision>fp16|bf16|tf32))?$")
 
 
 def _load(path: Path) -> dict:

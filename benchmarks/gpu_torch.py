@@ -8,7 +8,7 @@ their order, the paper models first within each; a compiler variant's bundle, ``
 is PyTorch's base bundle again and is left out) (``benchmarks/gpu_kernels.py export``) the model's torch module
 (``souffle.models.<name>.torch_module``) is built from the same seeded weights, moved to the GPU
 and run on the bundle's inputs, at the bundle's precision (fp16, bf16: ``torch.autocast("cuda")`` in
-that dtype):
+that dtype; tf32: float32 with TF32 matmuls and convolutions):
 
 - ``eager``: the module as it is;
 - ``cuda-graph``: one inference captured in a CUDA graph and replayed;
@@ -16,8 +16,8 @@ that dtype):
 - ``compile``: ``torch.compile`` with its default mode;
 - ``max-autotune``: ``torch.compile(mode="max-autotune")`` (which replays CUDA graphs itself).
 
-Float32 arithmetic is IEEE float32 in every mode (``ieee_float32``: cuDNN's default is TF32 for
-float32 convolutions), as in Souffle's fp32 kernels. Each is checked against the bundle's
+Float32 arithmetic is IEEE float32 in every mode but tf32's (``float32_arithmetic``: cuDNN's
+default is TF32 for float32 convolutions), as in Souffle's fp32 kernels. Each is checked against the bundle's
 expected outputs (the CPU reference it was exported with), timed with CUDA events (``--warmup``
 runs, median of ``--repeat``), and its kernels per inference counted with the torch profiler. A
 mode not started because ``--budget`` seconds had passed is a row that says so. With ``--souffle
@@ -50,18 +50,22 @@ from souffle.runtime.check import Check
 MODES = ("eager", "cuda-graph", "reduce-overhead", "compile", "max-autotune")  # cheapest to set up first
 
 
-def ieee_float32() -> str:
-    """Turns TF32 off for PyTorch's float32 matmuls and convolutions, so that its fp32 rows do
-    the arithmetic Souffle's fp32 kernels do. cuDNN's default runs float32 convolutions in TF32
-    (10-bit mantissas on tensor cores): the H100 runs before this compared Souffle's IEEE float32
-    ResNeXt and EfficientNet with TF32 ones. Returns what was set, for the results."""
+def float32_arithmetic(precision: str = DEFAULT_PRECISION) -> str:
+    """Sets how PyTorch multiplies float32 in matmuls and convolutions to what Souffle's kernels
+    at ``precision`` do: TF32 at ``tf32``, else IEEE float32 (TF32 off). cuDNN's default runs
+    float32 convolutions in TF32 (10-bit mantissas on tensor cores): the H100 runs before this
+    compared Souffle's IEEE float32 ResNeXt and EfficientNet with TF32 ones. Global flags, set
+    before each bundle's rows; returns what was set, for the results."""
     import torch
 
+    mode = "tf32" if precision == "tf32" else "ieee"
     conv, matmul = getattr(torch.backends.cudnn, "conv", None), getattr(torch.backends.cuda, "matmul", None)
     if hasattr(conv, "fp32_precision") and hasattr(matmul, "fp32_precision"):  # torch 2.9 on: mixing APIs fails
-        conv.fp32_precision = matmul.fp32_precision = "ieee"
+        conv.fp32_precision = matmul.fp32_precision = mode
     else:
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+    if mode == "tf32":
+        return "tf32 (TF32 on for matmuls and cuDNN convolutions)"
     return "ieee (TF32 off for matmuls and cuDNN convolutions)"
 
 
@@ -71,7 +75,7 @@ def _module(name: str, config: str, precision: str):
     module = models.get(name)
     cfg = models.config(name, config)
     net = module.torch_module(cfg, module.init_weights(cfg, 0)).cuda().eval()
-    narrow = None if precision == DEFAULT_PRECISION else getattr(torch, PRECISIONS[precision])
+    narrow = None if PRECISIONS[precision] == "float32" else getattr(torch, PRECISIONS[precision])
 
     def forward(**inputs):
         # autocast's weight cache off: a CUDA graph must not capture casts cached outside it
@@ -223,7 +227,6 @@ def main() -> None:
     souffle = {}
     if args.souffle and args.souffle.exists():
         souffle = {r["bundle"]: r for r in json.loads(args.souffle.read_text())["results"]}
-    float32 = ieee_float32()
     bundles, rows = {}, []
     for mode in args.modes:  # every bundle in one mode before the next, slower to set up, mode
         for path in paths:
@@ -232,8 +235,10 @@ def main() -> None:
                 continue
             try:
                 bundle = bundles.get(path) or bundles.setdefault(path, Bundle(path))
+                float32 = float32_arithmetic(bundle.precision)
                 row = bundle.measure(mode, args.warmup, args.repeat)
             except Exception as e:  # a model that cannot be built is its row's finding
+                float32 = None
                 row = {"bundle": path.name, "mode": mode, "status": f"failed: {type(e).__name__}: {e}"[:300]}
             rows.append({**row, "float32": float32})
             print(json.dumps(rows[-1]), flush=True)

@@ -28,6 +28,7 @@ from analysis.threads import lower_for_device
 from codegen.staged import Loop, StagedProgram, loops_in, stages_in
 from codegen.stitch import BufferRef, align, seq
 from codegen.schedule import POOL_ALIGN_BYTES, WARP, pool_align, pooled_shared
+from codegen.tf32 import tf32_source
 from codegen.tiled import on_chip_loads, parameters_used, slot_views, tiled_stage
 from souffle.errors import TargetError
 from souffle.passes import Outcome
@@ -297,10 +298,12 @@ def device_module(funcs: tirx.PrimFunc | dict, arch: str) -> tvm.IRModule:
 
 def cuda_source(funcs: tirx.PrimFunc | dict | tvm.IRModule, arch: str) -> str:
     """TVM's CUDA code for the kernels (or for an already lowered ``device_module``): what
-    ``tvm.compile`` prints, from the very module the thread-level validator reads."""
+    ``tvm.compile`` prints, from the very module the thread-level validator reads (TF32 fragments
+    printed as CUDA declares them: ``codegen.tf32``)."""
     device = funcs if isinstance(funcs, tvm.IRModule) else device_module(funcs, arch)
     with tvm.transform.PassContext(config=PASS_CONFIG):
-        return tvm.get_global_func("target.build.cuda")(device, cuda_target(arch)).inspect_source()
+        source = tvm.get_global_func("target.build.cuda")(device, cuda_target(arch)).inspect_source()
+    return tf32_source(source)
 
 
 def kernel_count(source: str) -> int:

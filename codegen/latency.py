@@ -385,9 +385,9 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
                       dram: Dram) -> StageWork:
     """One execution of a stage on tensor cores (``codegen.tensor_core``), from its tile: per
     chunk of ``depth`` terms every thread copies its share of both operands' slices (``rows +
-    columns`` rows) from global to shared memory, ``VECTOR`` float16 or bfloat16 elements per
-    instruction; the block synchronizes; for each 16 terms each warp loads its ``fragments_i +
-    fragments_j`` 16 x 16 fragments from shared memory (512 bytes each) and issues its
+    columns`` rows) from global to shared memory, ``VECTOR`` float16, bfloat16 or float32 elements per
+    instruction; the block synchronizes; for each 16 terms (8 in TF32) each warp loads its
+    ``fragments_i + fragments_j`` fragments from shared memory (512 bytes each) and issues its
     ``mma_sync``s; the block synchronizes again. At the end each warp stores its accumulators to
     shared memory (1 KB per fragment), the block synchronizes, and the tile is read back and
     stored to global memory ``VECTOR`` elements per instruction, the epilogue computed on the way."""
@@ -401,9 +401,10 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     steps = chunks * tile.k_fragments
     operand = str(reduction.op.input_tensors[0].dtype)  # both operands', at the tensor-core peak of their dtype
     element, out = np.dtype(operand).itemsize, np.dtype(str(stage.tensor.dtype)).itemsize
+    peak_dtype = "tf32" if operand == "float32" else operand  # float32 operands are multiplied in TF32
     copies = (rows + cols) * chunks * tile.depth // (WARP * TENSOR_CORE_VECTOR)
     copy_sectors = WARP * TENSOR_CORE_VECTOR * element // SECTOR_BYTES
-    fragment_sectors = FRAGMENT * FRAGMENT * element // SECTOR_BYTES
+    fragment_sectors = FRAGMENT * tile.fragment_k * element // SECTOR_BYTES
     accumulator_sectors = FRAGMENT * FRAGMENT * 4 // SECTOR_BYTES
     stores = rows * cols // (WARP * TENSOR_CORE_VECTOR)
     accesses = (MemoryAccess("operand slices", "load", "global", copies, copy_sectors),
@@ -420,7 +421,7 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     read_bytes = sum(dram.reads)
     slices = (rows + cols) * chunks * tile.depth * element
     return StageWork(
-        name=stage.name, template="tensor_core", dtype=operand, executions=executions,
+        name=stage.name, template="tensor_core", dtype=peak_dtype, executions=executions,
         n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
         blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=True, gemm=True, memory_steps=chunks + 1,
         on_chip_steps=steps + 2, block_barriers=2 * chunks + 2, accesses=accesses, l2_read_bytes=slices,

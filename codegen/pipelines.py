@@ -127,7 +127,8 @@ def validate_threads(source: CudaSource, options) -> Outcome:
 CUDA = Pipeline("cuda", GRAPH, (
     *TRANSFORMS,
     Pass("fuse_epilogues", lambda program, o: fuse_epilogues(program, True, o.threads), TE, from_level=3),
-    Pass("stage", lambda program, o: stage_program(program, True, o.threads, o.device), STAGED),
+    Pass("stage", lambda program, o: stage_program(program, True, o.threads, o.device, o.precision == "tf32"),
+         STAGED),
     *SYNCHRONIZATION,
     Pass("kernel_plan", lambda staged, _: kernel_plan(staged), TIR),
     Pass("cuda_source", lambda plan, o: _source(plan, o.device.arch), CUDA_SOURCE),

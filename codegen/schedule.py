@@ -24,8 +24,9 @@ Templates, chosen from the block's iterators (never from an op's name):
   matmul rule instead (``matmul_stage``): both operands staged through shared memory, a
   register tile per thread. Its tiles are boxes of the output, not runs; the schedule carries
   them as an isl relation (``StageSchedule.tile_relation``).
-- ``tensor_core`` (GPU only): a GEMM-shaped stage of float16 or bfloat16 operands accumulating
-  in float32, padded to whole tiles, is scheduled by dlight's tensor-core rule in the kernel's block shape
+- ``tensor_core`` (GPU only): a GEMM-shaped stage of float16 or bfloat16 operands (float32 ones
+  in TF32 at ``precision="tf32"``) accumulating in float32, padded to whole tiles, is scheduled
+  by dlight's tensor-core rule in the kernel's block shape
   (``tensor_core_stages``, ``codegen.tensor_core``): wmma fragments fed from shared-memory
   slices, one candidate per tile size; folded and carried like ``matmul``.
 
@@ -62,7 +63,7 @@ from analysis.affine import recompute, row_major
 from analysis.characterize import same_elements_axis
 from analysis.dependence import TENSOR_LOAD, IslWriter, NotAffine, is_call_to, tensor_loads
 from codegen.stitch import align
-from codegen.tensor_core import TILES, TensorCoreTile, pipeline_chunks, tensor_core_schedule
+from codegen.tensor_core import TF32_TILES, TILES, TensorCoreTile, pipeline_chunks, tensor_core_schedule
 from souffle.errors import SouffleError
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
@@ -274,16 +275,17 @@ def schedule_te(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, thr
 
 
 def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int = THREADS,
-                        epilogue_mode: str | None = None) -> list[tuple[tirx.PrimFunc, StageSchedule]]:
+                        epilogue_mode: str | None = None,
+                        tf32: bool = False) -> list[tuple[tirx.PrimFunc, StageSchedule]]:
     """The schedules a stage may take, in order of preference on a tie: where it is a GEMM-shaped
-    GPU stage, tensor cores (float16 or bfloat16 operands, one candidate per tile) and dlight's SIMT matmul;
-    then this module's own template, which every stage has (``codegen.stage`` picks one by the
-    latency model)."""
+    GPU stage, tensor cores (float16 or bfloat16 operands, or float32 ones in TF32 where ``tf32``;
+    one candidate per tile) and dlight's SIMT matmul; then this module's own template, which every
+    stage has (``codegen.stage`` picks one by the latency model)."""
     gemms = []
     if gpu and epilogue_mode != "shared":
         func = te.create_prim_func(placeholders + [tensor])
         matmul = matmul_stage(te.create_prim_func(placeholders + [widened_operands(tensor)]), threads)
-        gemms = tensor_core_stages(func, threads) + ([matmul] if matmul else [])
+        gemms = tensor_core_stages(func, threads, tf32) + ([matmul] if matmul else [])
     return gemms + [_own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)]
 
 
@@ -570,14 +572,17 @@ def _pipeline_slices(sch: s_tir.Schedule) -> bool:
     return True
 
 
-def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS) -> list[tuple[tirx.PrimFunc, StageSchedule]]:
-    """``func`` (a GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
-    without its register epilogue) on tensor cores, one schedule per tile of ``codegen.tensor_core.TILES``
-    that fits it (``codegen.tensor_core``), folded and carried like ``matmul_stage``'s."""
+def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
+                       tf32: bool = False) -> list[tuple[tirx.PrimFunc, StageSchedule]]:
+    """``func`` (a GEMM-shaped reduction of float16 or bfloat16 operands into float32, or of
+    float32 operands where ``tf32`` lets the tensor cores round them to TF32, with or without its
+    register epilogue) on tensor cores, one schedule per tile of ``codegen.tensor_core.TILES``
+    (``TF32_TILES``, whose fragments take float32 operands) that fits it (``codegen.tensor_core``),
+    folded and carried like ``matmul_stage``'s."""
     if not _gemm_rules_apply(func):
         return []
     found = []
-    for tile in TILES:
+    for tile in TILES + (TF32_TILES if tf32 else ()):
         scheduled = tensor_core_schedule(func, tile, threads)
         stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads, tile.pipelined)
         # a padded tile's box is what it writes; its warps work on the whole tile

@@ -103,9 +103,10 @@ def isolate_epilogue(producer: te.Tensor, consumer: te.Tensor) -> tuple[te.Tenso
 class _Stager(Stitcher):
     """The stitcher's memory placement, with regions and copies emitted as stages."""
 
-    def __init__(self, graph, gpu: bool, threads: int, device: DeviceModel | None):
+    def __init__(self, graph, gpu: bool, threads: int, device: DeviceModel | None, tf32: bool = False):
         super().__init__(graph, None, SlotArena())
         self.gpu = gpu
+        self.tf32 = tf32
         self.threads = threads
         self.device = device
         self.unique = UniqueNames()
@@ -116,7 +117,8 @@ class _Stager(Stitcher):
         first candidate, dlight's matmul where it applies, on a tie or with no device)."""
         label = self.unique(name)
         stages = [Stage(label, tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
-                  for func, schedule in schedule_candidates(tensor, placeholders, self.gpu, self.threads, epilogue)]
+                  for func, schedule in schedule_candidates(tensor, placeholders, self.gpu, self.threads, epilogue,
+                                                                 self.tf32)]
         if len(stages) == 1 or self.device is None:
             return stages[0]
         traffic = stage_traffic(stages[0])  # the same bytes whichever schedule reads them
@@ -160,11 +162,12 @@ class _Stager(Stitcher):
 
 
 def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS,
-                  device: DeviceModel | None = None) -> StagedProgram:
+                  device: DeviceModel | None = None, tf32: bool = False) -> StagedProgram:
     """The program as stages of one persistent kernel with blocks of ``threads`` threads, tiled
     for the GPU (or, with the same tiles, for the CPU), nothing synchronized yet; where a stage
-    has several schedules, the one the latency model estimates fastest on ``device``."""
-    stager = _Stager(program.graph, gpu, threads, device)
+    has several schedules, the one the latency model estimates fastest on ``device``. ``tf32``:
+    float32 GEMMs may multiply on tensor cores in TF32 (``precision="tf32"``)."""
+    stager = _Stager(program.graph, gpu, threads, device, tf32)
     items, inputs, outputs = stager.whole(program)
     weights, weight_buffers = stager.weights()
     staged = StagedProgram(program.graph.name, items, inputs, weights, weight_buffers, outputs,

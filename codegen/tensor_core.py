@@ -1,13 +1,14 @@
 """TVM's dlight tensor-core matmul rule (``dlight.gpu.MatmulTensorization``) in the shape of the
-persistent kernel: float16 or bfloat16 operands, float32 accumulators in wmma fragments.
+persistent kernel: float16 or bfloat16 operands, or float32 ones multiplied in TF32
+(``precision="tf32"``), float32 accumulators in wmma fragments.
 
 dlight's rule binds its own block, 16 warps of 4 x 2 fragments each (128 x 128 tiles), and
 software-pipeline annotations; the persistent kernel has one block shape for every stage
 (``codegen.schedule.THREADS``). This is the same schedule, step for step, with the warps and
 fragments a ``TensorCoreTile`` says, for ``threads / 32`` warps:
 
-- both operands are staged through shared memory one chunk of ``k_fragments`` x 16 terms at a
-  time (rows padded by 8 elements, as dlight pads them, so that a fragment's rows fall on
+- both operands are staged through shared memory one chunk of ``k_fragments`` x 16 terms (x 8 in
+  TF32) at a time (rows padded by 8 elements, as dlight pads them, so that a fragment's rows fall on
   different banks), copied with 4-element vector loads by all the block's threads;
 - each warp loads 16 x 16 fragments of both slices and accumulates ``fragments_i x fragments_j``
   16 x 16 x 16 products with ``mma_sync`` (TVM's wmma intrinsics, ``tensor_intrin.cuda``);
@@ -27,8 +28,11 @@ fragments a ``TensorCoreTile`` says, for ``threads / 32`` warps:
   (``cp.async``, which dlight does not ask for either) are left out, as the thread-level
   validator and the emulator do not model them.
 
-TVM registers wmma intrinsics for float16 operands only; bfloat16's (m16n16k16, sm_80 and up) are
-registered here from TVM's own generators (``wmma_intrinsics``).
+TVM registers wmma intrinsics for float16 operands only; bfloat16's (m16n16k16, sm_80 and up) and
+TF32's (m16n16k8, sm_80 and up) are registered here from TVM's own generators (``wmma_intrinsics``).
+In TF32 a chunk is 4 x 8 terms (``TF32_TILES``), so that the float32 slices take the bytes of the
+16-bit ones; the operand fragments are declared float16 for TVM's code generator, which refuses
+float32 ones, and printed as CUDA's ``precision::tf32`` (``codegen.tf32``).
 
 A GEMM whose sizes are not whole tiles is padded as dlight pads it (``pad_einsum``): the rows,
 columns and terms past its edges read as zeros and are not stored (Swin's 196 tokens, ResNeXt's
@@ -42,6 +46,7 @@ every fragment: registers the 128 x 128 tiles do not have).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -50,8 +55,11 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline_producers, get_index_map,
                                          get_reduction_blocks)
 
-FRAGMENT = 16  # wmma's m16n16k16 shape for float16 and bfloat16
-OPERAND_DTYPES = ("float16", "bfloat16")  # both 2 bytes: the slices, pads and copies are the same
+FRAGMENT = 16  # the rows and columns of every wmma fragment this schedule uses
+# wmma's reduction depth per operand dtype: m16n16k16 for float16 and bfloat16, m16n16k8 for float32
+# operands multiplied in TF32 (``precision="tf32"``: the tensor cores read 10 bits of significand)
+FRAGMENT_K = {"float16": 16, "bfloat16": 16, "float32": 8}
+OPERAND_DTYPES = ("float16", "bfloat16")  # what tensor cores multiply without a precision="tf32" to allow float32
 WARP = 32
 VECTOR = 4  # elements per global -> shared copy, and per accumulator store
 SLICE_PAD = 8  # elements added to each operand slice's rows (dlight's storage_align)
@@ -68,6 +76,7 @@ class TensorCoreTile:
     fragments_j: int
     k_fragments: int = 4
     pipelined: bool = True  # the next chunk loaded into registers while the warps compute on this one
+    fragment_k: int = FRAGMENT  # terms per fragment: 16, or 8 for TF32 (``FRAGMENT_K``)
 
     @property
     def rows(self) -> int:
@@ -79,7 +88,7 @@ class TensorCoreTile:
 
     @property
     def depth(self) -> int:
-        return FRAGMENT * self.k_fragments
+        return self.fragment_k * self.k_fragments
 
     @property
     def warps(self) -> int:
@@ -93,6 +102,9 @@ class TensorCoreTile:
 # The tiles a stage may take on 8 warps (the latency model picks one per stage): 128 x 128 reuses
 # each slice most, 64 x 64 gives a small GEMM (paper BERT's 384 x 768) enough tiles for the SMs.
 TILES = (TensorCoreTile(2, 4, 4, 2), TensorCoreTile(2, 4, 2, 2), TensorCoreTile(2, 4, 2, 1))
+# The same tiles for float32 operands in TF32: m16n16k8 fragments, 32 terms a chunk, so that the
+# float32 slices take the shared memory of the 16-bit tiles' 64 terms.
+TF32_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"]) for tile in TILES)
 
 
 def gemm_extents(sch: s_tir.Schedule, block) -> tuple[int, int, int, int] | None:
@@ -108,9 +120,10 @@ def gemm_extents(sch: s_tir.Schedule, block) -> tuple[int, int, int, int] | None
 def wmma_intrinsics(operand_dtype: str) -> dict[str, str]:
     """The names of TVM's wmma intrinsics this schedule tensorizes with, for operands of
     ``operand_dtype``: operands loaded from ``shared.dyn``, the second transposed, float32
-    accumulators stored to ``shared.dyn``. TVM registers none for bfloat16 operands: their loads
-    and product are registered here, on first use, from TVM's generators, under the names TVM's
-    scheme gives them (``bf16`` for ``f16``); the float32 fill and store are float16's."""
+    accumulators stored to ``shared.dyn``. TVM registers them for float16 operands only; the
+    others' are registered here, on first use, from TVM's generators, under the names TVM's scheme
+    gives them: ``bf16`` for ``f16``, and for float32 operands (TF32) the m16n16k8 shape, ``tf32``
+    operands and their own float32 fill and store (an accumulator fragment's shape is its type)."""
     # imported here, where a tensor-core GEMM needs it: the module registers every CUDA tensor
     # intrinsic TVM has when it is imported, which takes about 18 s on this project's machine
     from tvm.s_tir.tensor_intrin import cuda
@@ -119,16 +132,24 @@ def wmma_intrinsics(operand_dtype: str) -> dict[str, str]:
                                        out_dtype="float32", trans_b=True)
     if operand_dtype == "float16":
         return group
-    assert operand_dtype == "bfloat16", operand_dtype
+    assert operand_dtype in FRAGMENT_K, operand_dtype
+    k = FRAGMENT_K[operand_dtype]
     generated = {
-        "load_a": cuda.get_wmma_load_intrin(FRAGMENT, FRAGMENT, FRAGMENT, "bfloat16", "shared.dyn", False, False),
-        "load_b": cuda.get_wmma_load_intrin(FRAGMENT, FRAGMENT, FRAGMENT, "bfloat16", "shared.dyn", True, True),
-        "compute": cuda.get_wmma_sync_intrin(FRAGMENT, FRAGMENT, FRAGMENT, "bfloat16", "float32", True),
+        "load_a": cuda.get_wmma_load_intrin(FRAGMENT, FRAGMENT, k, operand_dtype, "shared.dyn", False, False),
+        "load_b": cuda.get_wmma_load_intrin(FRAGMENT, FRAGMENT, k, operand_dtype, "shared.dyn", True, True),
+        "compute": cuda.get_wmma_sync_intrin(FRAGMENT, FRAGMENT, k, operand_dtype, "float32", True),
     }
+    if operand_dtype == "float32":
+        generated["init"] = cuda.get_wmma_fill_intrin(FRAGMENT, FRAGMENT, k, "float32")
+        generated["store"] = cuda.get_wmma_store_intrin(FRAGMENT, FRAGMENT, k, "float32", "shared.dyn")
+    shape = f"{FRAGMENT}x{FRAGMENT}x{k}"
     for key, (desc, impl) in generated.items():
-        group[key] = group[key].replace("f16", "bf16")
-        if s_tir.TensorIntrin.get(group[key], allow_missing=True) is None:
-            s_tir.TensorIntrin.register(group[key], desc, impl)
+        name = group[key].replace("16x16x16", shape)
+        if key in ("load_a", "load_b", "compute"):
+            name = name.replace("f16", {"bfloat16": "bf16", "float32": "tf32"}[operand_dtype])
+        group[key] = name
+        if s_tir.TensorIntrin.get(name, allow_missing=True) is None:
+            s_tir.TensorIntrin.register(name, desc, impl)
     return group
 
 
@@ -148,6 +169,11 @@ def pipeline_chunks(sch: s_tir.Schedule, chunk, copies) -> None:
     sch.annotate(chunk, "software_pipeline_stage", [0, 0, 0, 0, 1])
 
 
+def _operand_dtypes(tile: TensorCoreTile) -> tuple[str, ...]:
+    """What ``tile``'s fragments multiply: float32 in TF32 for m16n16k8, else float16 or bfloat16."""
+    return ("float32",) if tile.fragment_k == FRAGMENT_K["float32"] else OPERAND_DTYPES
+
+
 def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int) -> s_tir.Schedule | None:
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
     without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
@@ -164,7 +190,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     main = reductions[0]
     stmt = sch.get(main)
     operands = [str(r.source.dtype) for r in stmt.reads]
-    if operands not in [[dtype, dtype] for dtype in OPERAND_DTYPES] or \
+    if operands not in [[dtype, dtype] for dtype in _operand_dtypes(tile)] or \
             [str(w.source.dtype) for w in stmt.writes] != ["float32"]:
         return None
     try:
@@ -193,7 +219,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     batch, i, j, k = sch.get_loops(main)
     i, i_inner = sch.split(i, [None, FRAGMENT])
     j, j_inner = sch.split(j, [None, FRAGMENT])
-    k, k_inner = sch.split(k, [None, FRAGMENT])
+    k, k_inner = sch.split(k, [None, tile.fragment_k])
     sch.reorder(i, j, k, i_inner, j_inner, k_inner)
     fragment_product = main
     outer = sch.blockize(i_inner)
@@ -236,12 +262,12 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
 
     intrinsics = wmma_intrinsics(operands[0])
 
-    def in_fragments(block):
-        """The block's last two loops split into 16 x 16 fragments, the loops over fragments
-        unrolled; the first inner loop."""
+    def in_fragments(block, columns: int = FRAGMENT):
+        """The block's last two loops split into 16 x ``columns`` fragments, the loops over
+        fragments unrolled; the first inner loop."""
         i, j = sch.get_loops(block)[-2:]
         i_outer, i_inner = sch.split(i, [None, FRAGMENT])
-        j_outer, j_inner = sch.split(j, [None, FRAGMENT])
+        j_outer, j_inner = sch.split(j, [None, columns])
         sch.reorder(i_outer, j_outer, i_inner, j_inner)
         unrolled(i_outer, j_outer)
         return i_inner
@@ -252,14 +278,18 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         for loop in loops:
             sch.unroll(loop)
 
+    names = [sch.get(block).name_hint + "_o" for block in (a_fragment, b_fragment)]
     try:
-        sch.tensorize(in_fragments(a_fragment), intrinsics["load_a"])
-        sch.tensorize(in_fragments(b_fragment), intrinsics["load_b"])
+        sch.tensorize(in_fragments(a_fragment, tile.fragment_k), intrinsics["load_a"])
+        sch.tensorize(in_fragments(b_fragment, tile.fragment_k), intrinsics["load_b"])
         sch.tensorize(in_fragments(c_fragment), intrinsics["store"])
         unrolled(*sch.get_loops(fragments_init)[-2:])
         sch.tensorize(sch.get_loops(init)[-2], intrinsics["init"])
         unrolled(i_fragment, j_fragment)
         sch.tensorize(sch.get_loops(fragment_product)[-3], intrinsics["compute"])
+        if operands[0] == "float32":
+            for name in names:
+                sch.unsafe_set_dtype(sch.get_sblock(name), 0, "float16")
     except RuntimeError:  # a ScheduleError, or a check inside TVM (tvm.error.InternalError)
         return None
     auto_inline_consumer_chain(sch, c_shared)

@@ -23,7 +23,7 @@ and checks against PyTorch under autocast.
 
     python scripts/ablation.py [MODEL...] [--config tiny|paper] [--levels 0,1,2,3,4] [--repeat N]
                                [--no-run] [--cuda] [--gpu] [--device h100|h200|a100]
-                               [--precision fp32|fp16|bf16] [--name NAME]
+                               [--precision fp32|tf32|fp16|bf16] [--name NAME]
 
 CPU latencies rank the levels by the work they do, not by what a GPU would take: on the CPU a
 kernel launch and a grid barrier cost nothing. The results go to

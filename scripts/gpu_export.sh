@@ -4,7 +4,8 @@
 #   bash scripts/gpu_export.sh DIR [PACK]
 #
 # writes bundles into DIR (benchmarks/gpu_kernels.py export: every model, tiny at O0-O4 and at
-# fp16 and bf16 (O4), paper at O0-O4 and at fp16 (O4) and BERT at bf16 (O4), each with
+# fp16 and bf16 (O4), paper at O0-O4 and at fp16 (O4), BERT at bf16 (O4), BERT and ResNeXt at tf32
+# (O4; tiny BERT and MMoE too), each with
 # static.json and, for one-kernel programs with grid barriers, its timeline build; and the
 # compiler variants of benchmarks/gpu_variants.py,
 # each beside its base), the commit into DIR/COMMIT, and packs DIR into PACK
@@ -22,6 +23,8 @@ export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir"
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models lstm bert resnext mmoe swin
 "${export[@]}" --configs tiny --levels 4 --precisions bf16
 "${export[@]}" --configs paper --levels 4 --precisions bf16 --models bert
+"${export[@]}" --configs tiny --levels 4 --precisions tf32 --models bert mmoe
+"${export[@]}" --configs paper --levels 4 --precisions tf32 --models bert resnext
 # compiler variants (benchmarks/gpu_variants.py), each timed beside its base: what the last GPU run
 # asked (no-on-chip, two-blocks and occupancy were timed on the H100: benchmarks/results/gpu_h100.md)
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models bert swin resnext --variant no-split-k

@@ -183,7 +183,8 @@ def _parser() -> argparse.ArgumentParser:
                                   "4 +post-optimizations (default)")
     compile_cmd.add_argument("--precision", default=DEFAULT_PRECISION,
                              help="what the model computes in: fp32 (default), fp16 or bf16 (weights converted at "
-                                  "compile time, GEMMs and reductions accumulate in fp32; inputs and outputs stay fp32)")
+                                  "compile time, GEMMs and reductions accumulate in fp32; inputs and outputs stay fp32), "
+                                  "or tf32 (fp32, GEMMs on CUDA tensor cores in TF32)")
     compile_cmd.add_argument("--emit-source", metavar="FILE",
                              help="write the generated CUDA source to FILE (targets cuda, cuda-emulated)")
     compile_cmd.add_argument("--thread-order", default="ascending", choices=("ascending", "descending", "random"),

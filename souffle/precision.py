@@ -1,5 +1,11 @@
-"""Compute precision: a float32 model computed in float16 or bfloat16
+"""Compute precision: a float32 model computed in float16, bfloat16 or TF32
 (``souffle.compile(..., precision=)``).
+
+``tf32`` leaves every tensor float32 and lets the CUDA targets multiply float32 GEMMs on tensor
+cores in TF32, as PyTorch's ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` does: the
+operands rounded to 10 bits of significand (float16's), float32's range, products accumulated in
+float32 (``codegen.tensor_core``: m16n16k8 fragments). The CPU targets have no TF32 and compute
+it in float32. The rest of this module is about ``fp16`` and ``bf16``:
 
 Mixed precision as torch.autocast and cuBLAS do it: the weights are converted once, at
 compile time, and every float tensor inside the model is float16 (``fp16``) or bfloat16
@@ -26,9 +32,8 @@ from souffle.errors import SouffleError
 from souffle.graph import Graph, Op, Scan
 from souffle.tensor import TensorSpec, largest_finite, ml_dtypes
 
-PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+PRECISIONS = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # -> tensor dtype
 DEFAULT_PRECISION = "fp32"
-PLANNED = ("tf32",)  # in the issue's list; refused by name until its path exists
 
 
 def check_precision(precision: str) -> str:
@@ -38,14 +43,15 @@ def check_precision(precision: str) -> str:
             raise SouffleError(f"precision {precision!r} needs numpy's bfloat16 from ml_dtypes; install it with "
                                f"`pip install ml_dtypes`")
         return precision
-    if precision in PLANNED:
-        raise SouffleError(f"precision {precision!r} is not implemented yet; available: {', '.join(PRECISIONS)}")
     raise SouffleError(f"unknown precision {precision!r}; available: {', '.join(PRECISIONS)}")
 
 
 def with_precision(graph: Graph, precision: str) -> tuple[Graph, list[str]]:
     """``graph`` computed in ``precision``, and what was converted (one line per kind of change)."""
     dtype = PRECISIONS[check_precision(precision)]
+    if precision == "tf32":
+        return graph, ["float32 tensors; GEMM-shaped stages on CUDA tensor cores multiply in TF32 (operands rounded "
+                       "to 10 bits of significand) and accumulate in float32; the CPU targets compute float32"]
     if dtype == "float32":
         return graph, []
     floats = [s for s in graph.params.values() if s.dtype == "float32"]

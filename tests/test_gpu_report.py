@@ -128,11 +128,14 @@ def test_a_failed_check_row_says_how_many_elements_miss_the_tolerance_and_by_how
     assert "FAIL (0.2); 1 outside rtol/atol 0.05/0.05 by up to 0.05 |" in gpu_kernels.kernels_table([row])
 
 
-def test_pytorchs_float32_rows_run_ieee_float32_not_tf32():
+def test_pytorchs_float32_rows_run_ieee_float32_and_its_tf32_rows_tf32():
     """cuDNN runs float32 convolutions in TF32 by default; the baselines turn that off, so that
-    PyTorch's fp32 rows do Souffle's fp32 arithmetic (in a process of its own: the flags are global)."""
-    probe = ("import gpu_torch, torch; print(gpu_torch.ieee_float32()); "
-             "print(torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision)")
+    PyTorch's fp32 rows do Souffle's fp32 arithmetic, and on for the tf32 rows (in a process of its
+    own: the flags are global)."""
+    flags = "print(torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision)"
+    probe = (f"import gpu_torch, torch; print(gpu_torch.float32_arithmetic('fp32')); {flags}; "
+             f"print(gpu_torch.float32_arithmetic('tf32')); {flags}; gpu_torch.float32_arithmetic('fp16'); {flags}")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT / "benchmarks", capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert out == ["ieee (TF32 off for matmuls and cuDNN convolutions)", "ieee ieee"]
+    assert out == ["ieee (TF32 off for matmuls and cuDNN convolutions)", "ieee ieee",
+                   "tf32 (TF32 on for matmuls and cuDNN convolutions)", "tf32 tf32", "ieee ieee"]

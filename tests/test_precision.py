@@ -70,12 +70,12 @@ def test_bf16_has_the_range_of_float32():
     assert float(large.weights["w"].reshape(-1)[0]) == 70144.0  # 65536 + 9 * 512
 
 
-def test_fp32_is_the_graph_itself_and_other_precisions_are_refused_by_name():
+def test_fp32_and_tf32_are_the_graph_itself_and_other_precisions_are_refused_by_name():
     graph = _mlp()
     assert with_precision(graph, "fp32") == (graph, [])
-    with pytest.raises(SouffleError, match="precision 'tf32' is not implemented yet; available: fp32, fp16, bf16"):
-        souffle.compile(graph, precision="tf32")
-    with pytest.raises(SouffleError, match="unknown precision 'half'; available: fp32, fp16, bf16"):
+    tf32, notes = with_precision(graph, "tf32")
+    assert tf32 is graph and "multiply in TF32" in notes[0] and "the CPU targets compute float32" in notes[0]
+    with pytest.raises(SouffleError, match="unknown precision 'half'; available: fp32, tf32, fp16, bf16"):
         souffle.compile(graph, precision="half")
 
 
@@ -239,8 +239,13 @@ def test_command_line_fp16_check_compares_with_autocast_at_its_tolerance(capsys)
     out = capsys.readouterr().out
     assert "check          PASS (rtol 0.01, atol 0.01)" in out
     assert "precision: 39 float32 weights converted to float16 at compile time" in out
-    assert main(["compile", "bert", "--precision", "tf32"]) == 2
-    assert "precision 'tf32' is not implemented yet" in capsys.readouterr().err
+
+
+def test_command_line_tf32_on_the_cpu_computes_float32_and_says_so(capsys):
+    assert main(["compile", "bert", "--precision", "tf32", "--check", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "check          PASS (rtol 0.01, atol 0.01)" in out
+    assert "the CPU targets compute float32" in out
 
 
 def test_command_line_bf16_check_compares_with_bfloat16_autocast(capsys):

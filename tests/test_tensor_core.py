@@ -200,7 +200,7 @@ def test_tensor_core_stages_match_numpy_on_emulated_threads(m, n, k, precision):
 
 @needs_gxx
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
-@pytest.mark.parametrize("precision", NARROW)
+@pytest.mark.parametrize("precision", [*NARROW, "tf32"])  # tf32: against PyTorch's float32 (the CPU has no TF32)
 def test_bert_on_tensor_cores_matches_pytorch_on_emulated_threads(precision):
     graph = models.build("bert", BERT_GEMMS, seed=0)
     inputs = models.make_inputs("bert", BERT_GEMMS, seed=0)
@@ -237,7 +237,7 @@ def test_attention_reads_query_key_and_value_from_the_projection_on_tensor_cores
             np.testing.assert_allclose(output, reference, rtol=rtol, atol=atol, err_msg=order)
 
 
-@pytest.mark.parametrize("precision, dtype", [("fp16", "float16"), ("bf16", "bfloat16")])
+@pytest.mark.parametrize("precision, dtype", [("fp16", "float16"), ("bf16", "bfloat16"), ("tf32", "tf32")])
 def test_the_latency_model_counts_tensor_core_stages_at_the_tensor_core_peak(precision, dtype):
     staged = run_passes(models.build("bert", BERT_GEMMS), "cuda", stop="plan_arena", precision=precision).ir
     estimate = latency_estimate(staged, H100)

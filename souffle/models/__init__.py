@@ -114,7 +114,7 @@ def reference(name: str, config: Config, weights: Mapping[str, object],
     weights, cfg, _ = _parameters(module, weights, _config(name, config))
     # the weights the compiled model would get: checked and converted as the graph converts them
     checked = module.build_graph(cfg, weights).weights
-    if precision == "fp32":
+    if PRECISIONS[precision] == "float32":  # fp32, and tf32: PyTorch has no TF32 on the CPU
         return module.torch_reference(cfg, checked)
     narrow = PRECISIONS[precision]
     if not getattr(module, "AUTOCAST", True):
@@ -131,7 +131,9 @@ def reference(name: str, config: Config, weights: Mapping[str, object],
 
 FP16_TOLERANCE = (1e-2, 1e-2)  # float16's 11-bit significand: each of both sides rounds at about 5e-4 of a value
 BF16_TOLERANCE = (5e-2, 5e-2)  # bfloat16's 8-bit significand: each rounding at about 4e-3 of a value
-NARROW_TOLERANCES = {"fp16": FP16_TOLERANCE, "bf16": BF16_TOLERANCE}
+# TF32 rounds the GEMMs' operands as float16 does, the rest float32; the CPU reference is float32
+TF32_TOLERANCE = FP16_TOLERANCE
+NARROW_TOLERANCES = {"tf32": TF32_TOLERANCE, "fp16": FP16_TOLERANCE, "bf16": BF16_TOLERANCE}
 
 
 def tolerance(name: str, config: Config = "tiny", precision: str = "fp32") -> tuple[float, float]:
