@@ -713,8 +713,12 @@ class Walker:
                                       f"{' and '.join('m{}n{}k{}'.format(*f) for f in FRAGMENT_SHAPES)} only")
             return
         m, n, k = shape
-        fragment = call.args[0].args[0] if isinstance(call.args[0], tvm.ir.Call) else None
-        scope = fragment.scope() if fragment is not None and hasattr(fragment, "scope") else "wmma.accumulator"
+        fragment = call.args[0].args[0] if isinstance(call.args[0], tvm.ir.Call) and call.args[0].args else None
+        scope = fragment.scope() if hasattr(fragment, "scope") else None
+        if scope not in ("wmma.matrix_a", "wmma.matrix_b", "wmma.accumulator"):
+            self.kernel.errors.append(f"wmma: a tile of fragment {call.args[0]}, whose use (matrix_a, matrix_b or "
+                                      f"accumulator) the validator cannot tell")
+            return
         rows, columns = {"wmma.matrix_a": (m, k), "wmma.matrix_b": (k, n)}.get(scope, (m, n))
         column_major = len(call.args) > 7 and isinstance(call.args[7], tvm.ir.StringImm) and \
             call.args[7].value == "col_major"

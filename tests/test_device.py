@@ -24,7 +24,7 @@ KiB, MiB = 1024, 1024 * 1024
 @pytest.mark.parametrize("device, name, bandwidth", [(H200, "h200", 4.8e12), (H100, "h100", 3.35e12)])
 def test_hopper_figures(device, name, bandwidth):
     assert (device.name, device.kind, device.arch, device.sms) == (name, "gpu", "sm_90", 132)
-    assert device.peak_flops == {"float32": 67e12, "float16": 989.5e12, "bfloat16": 989.5e12}
+    assert device.peak_flops == {"float32": 67e12, "float16": 989.5e12, "bfloat16": 989.5e12, "tf32": 494.7e12}
     assert device.mem_bandwidth == bandwidth
     assert (device.smem_per_sm, device.smem_per_block) == (228 * KiB, 227 * KiB)
     assert (device.regs_per_sm, device.regs_per_block, device.max_regs_per_thread) == (65536, 65536, 255)
@@ -41,7 +41,7 @@ def test_clocks_lanes_and_l2_bandwidth():
 
 def test_a100_figures():
     assert (A100.name, A100.kind, A100.arch, A100.sms) == ("a100", "gpu", "sm_80", 108)
-    assert A100.peak_flops == {"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12}
+    assert A100.peak_flops == {"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12, "tf32": 156e12}
     assert A100.mem_bandwidth == 1.555e12
     assert (A100.smem_per_sm, A100.smem_per_block) == (164 * KiB, 163 * KiB)
     assert (A100.regs_per_sm, A100.regs_per_block, A100.max_regs_per_thread) == (65536, 65536, 255)
