@@ -2,8 +2,10 @@
 
 Per model and level, all levels compiled from the same graph and run on the same inputs:
 
-- kernels: in the code, and launched per inference (O0-O2 launch one per TE, loops from the host);
-- grid barriers executed per inference;
+- kernels: in the code, and launched per inference (O0-O2 launch one per TE, loops from the host),
+  and grid barriers executed per inference, of the ``llvm-persistent`` program (below), whose
+  stages have no tensor cores: where the cuda pipeline's tensor-core stages make its partition
+  split, the kernels it launches are the ``launches (cuda)`` column, beside its estimate;
 - static global-memory bytes read and written (``codegen.traffic``, an upper bound on DRAM);
 - the CPU latency of the persistent kernel's staged program (target ``llvm-persistent``: the
   same stages, tiles and barriers run block after block on this CPU), median of ``--repeat``
@@ -59,7 +61,8 @@ ARCHS = ("sm_80", "sm_90")
 COLUMNS = [("model", "model"), ("precision", "precision"), ("level", "level"), ("kernels", "kernels"),
            ("launches", "launches"),
            ("barriers_executed", "grid barriers"), ("read_mb", "read MB"), ("write_mb", "written MB"),
-           ("cpu_ms", "CPU ms"), ("max_abs_error", "max abs error"), ("cuda", "CUDA"), ("roofline_ms", "roofline ms"),
+           ("cpu_ms", "CPU ms"), ("max_abs_error", "max abs error"), ("cuda", "CUDA"),
+           ("estimate_launches", "launches (cuda)"), ("roofline_ms", "roofline ms"),
            ("estimate_ms", "estimate ms"), ("gpu_ms", "GPU ms")]
 GPUS = [name for name in DEVICES if get_device(name).kind == "gpu"]
 
@@ -102,6 +105,7 @@ def latency_columns(estimate) -> dict:
             "roofline_ms": estimate.roofline_seconds * 1e3, "estimate_stages_ms": estimate.stage_seconds * 1e3,
             "estimate_barriers_ms": estimate.barrier_seconds * 1e3,
             "estimate_launches_ms": estimate.launch_seconds * 1e3,
+            "estimate_launches": estimate.launches, "estimate_grid_barriers": estimate.grid_barriers,
             "gemm_stages": len(gemms),
             "gemm_best_fraction_of_peak": max((s.fraction_of_peak for s in gemms), default=None),
             "estimate": estimate.summary()}

@@ -123,8 +123,10 @@ def test_ablation_writes_every_level_with_its_counts(tmp_path, monkeypatch):
     # the latency model's estimate beside the roofline bound, on the h100 model by default; O0 pays 58 launches
     assert all(r["estimate_device"] == "h100" and r["estimate_ms"] > r["roofline_ms"] > 0 for r in rows)
     assert rows[0]["estimate_launches_ms"] == pytest.approx(58 * 3e-3) and rows[-1]["estimate_ms"] < rows[0]["estimate_ms"]
+    assert [r["estimate_launches"] for r in rows] == [58, 12, 1]  # the cuda program's, which the estimate is of
     header = (tmp_path / "ablation_test.md").read_text().split("| model |")[1].splitlines()[0]
-    assert header.endswith("| roofline ms (h100) | estimate ms (h100) | GPU ms |")  # GPU ms: empty until measured
+    # GPU ms: empty until measured
+    assert header.endswith("| launches (cuda) | roofline ms (h100) | estimate ms (h100) | GPU ms |")
 
 
 def test_ablation_estimates_on_another_device_without_running(tmp_path, monkeypatch):
