@@ -59,7 +59,6 @@ FRAGMENT = 16  # the rows and columns of every wmma fragment this schedule uses
 # wmma's reduction depth per operand dtype: m16n16k16 for float16 and bfloat16, m16n16k8 for float32
 # operands multiplied in TF32 (``precision="tf32"``: the tensor cores read 10 bits of significand)
 FRAGMENT_K = {"float16": 16, "bfloat16": 16, "float32": 8}
-OPERAND_DTYPES = ("float16", "bfloat16")  # what tensor cores multiply without a precision="tf32" to allow float32
 WARP = 32
 VECTOR = 4  # elements per global -> shared copy, and per accumulator store
 SLICE_PAD = 8  # elements added to each operand slice's rows (dlight's storage_align)
@@ -170,8 +169,8 @@ def pipeline_chunks(sch: s_tir.Schedule, chunk, copies) -> None:
 
 
 def _operand_dtypes(tile: TensorCoreTile) -> tuple[str, ...]:
-    """What ``tile``'s fragments multiply: float32 in TF32 for m16n16k8, else float16 or bfloat16."""
-    return ("float32",) if tile.fragment_k == FRAGMENT_K["float32"] else OPERAND_DTYPES
+    """What ``tile``'s fragments multiply: float32 in TF32 for m16n16k8, float16 or bfloat16 for m16n16k16."""
+    return tuple(dtype for dtype, k in FRAGMENT_K.items() if k == tile.fragment_k)
 
 
 def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int) -> s_tir.Schedule | None:

@@ -18,6 +18,7 @@ rewrites what the generator prints:
 from __future__ import annotations
 
 import re
+
 _HALF_TF32_FRAGMENT = re.compile(r"nvcuda::wmma::fragment<nvcuda::wmma::(matrix_[ab]), 16, 16, 8, half, ")
 _DECLARED = re.compile(r"nvcuda::wmma::fragment<nvcuda::wmma::matrix_[ab], 16, 16, 8, nvcuda::wmma::precision::tf32, "
                        r"nvcuda::wmma::\w+> (\w+)\[")

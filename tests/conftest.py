@@ -39,6 +39,14 @@ def run_op_fixture():
 
 
 @pytest.fixture
+def tensor_cores_wherever_they_apply(monkeypatch):
+    """Pin the choice to tensor cores (the first tile that fits) on GEMMs small enough to emulate,
+    where the latency model would pick another template (``codegen.stage``)."""
+    monkeypatch.setattr("codegen.stage.stage_seconds",
+                        lambda stage, device, traffic: stage.schedule.template != "tensor_core")
+
+
+@pytest.fixture
 def rng():
     """Seeded per test, so every test's inputs are reproducible on their own."""
     return np.random.default_rng(0)

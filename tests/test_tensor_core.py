@@ -39,13 +39,6 @@ BERT_GEMMS = {"seq": 128, "hidden": 64, "heads": 2, "ffn": 128, "max_positions":
 NARROW = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}  # precision -> the numpy type its operands round to
 
 
-@pytest.fixture
-def tensor_cores_wherever_they_apply(monkeypatch):
-    """Pin the choice to tensor cores (the first tile that fits) on GEMMs small enough to emulate,
-    where the latency model would pick another template (``codegen.stage``)."""
-    monkeypatch.setattr("codegen.stage.stage_seconds", lambda stage, device, traffic: stage.schedule.template != "tensor_core")
-
-
 def _dense(m: int, n: int, k: int, dtype: str = "float16"):
     """A dense of float16 operands accumulating in float32, rounded to float16 on the way out
     (what the precision pass makes of one)."""

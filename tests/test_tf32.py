@@ -26,13 +26,6 @@ mutants = importlib.import_module("scripts.validate_mutants")
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
 
 
-@pytest.fixture
-def tensor_cores_wherever_they_apply(monkeypatch):
-    """Pin the choice to tensor cores on GEMMs small enough to emulate (``codegen.stage``)."""
-    monkeypatch.setattr("codegen.stage.stage_seconds",
-                        lambda stage, device, traffic: stage.schedule.template != "tensor_core")
-
-
 def tf32(array: np.ndarray) -> np.ndarray:
     """float32 rounded to TF32 as ``__float_to_tf32`` does (to nearest, ties away from zero)."""
     bits = np.asarray(array, np.float32).view(np.uint32)
