@@ -97,12 +97,13 @@ def same_elements_axis(reduction: te.Tensor, max_extent: int) -> int | None:
     return int(last.dom.extent)
 
 
-def is_gemm(reduction: te.Tensor | None) -> bool:
+def is_gemm(reduction: te.Tensor | None, batched: bool = False) -> bool:
     """A sum of products whose two factors are each reused along an output axis the other
-    varies with (an axis longer than 1): dense, matmul, convolution. Not a GEMV (its vector
-    factor is reused, its matrix is not), a variance (both factors vary alike), nor a grouped or
-    depthwise convolution (its input varies with the output channel, through the group, as its
-    weight does)."""
+    varies with (an axis longer than 1): dense, matmul, convolution, a grouped convolution whose
+    group is an axis of its own (``souffle.ops.nn``). Not a GEMV (its vector factor is reused,
+    its matrix is not), a variance (both factors vary alike), nor a depthwise convolution (its
+    input varies with the output channel as its weight does). ``batched``: and both factors vary
+    with an output axis too (a batched matmul's batch, a grouped convolution's group)."""
     if reduction is None:
         return False
     source = reduction.op.body[0].source[0]
@@ -117,7 +118,7 @@ def is_gemm(reduction: te.Tensor | None) -> bool:
         return {k for k, var in enumerate(axes) if any(var.same_as(v) for v in used)}
 
     left, right = varies_with(source.a), varies_with(source.b)
-    return bool(left - right) and bool(right - left)
+    return bool(left - right) and bool(right - left) and (not batched or bool(left & right))
 
 
 def stage_cost(stage: te.Tensor, bytes_read: int, device: DeviceModel) -> StageCost:

@@ -49,7 +49,8 @@ from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork,
                               estimate_program, estimate_stage)
 from codegen.partition import stage_registers
-from codegen.schedule import MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL_VTHREADS, WARP, epilogue_reduction
+from codegen.schedule import (MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL_VTHREADS, WARP, epilogue_reduction,
+                              gathered_factors)
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
 from codegen.tensor_core import FRAGMENT
 from codegen.tensor_core import VECTOR as TENSOR_CORE_VECTOR
@@ -402,13 +403,10 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     operand = str(reduction.op.input_tensors[0].dtype)  # both operands', at the tensor-core peak of their dtype
     element, out = np.dtype(operand).itemsize, np.dtype(str(stage.tensor.dtype)).itemsize
     peak_dtype = "tf32" if operand == "float32" else operand  # float32 operands are multiplied in TF32
-    copies = (rows + cols) * chunks * tile.depth // (WARP * TENSOR_CORE_VECTOR)
-    copy_sectors = WARP * TENSOR_CORE_VECTOR * element // SECTOR_BYTES
     fragment_sectors = FRAGMENT * tile.fragment_k * element // SECTOR_BYTES
     accumulator_sectors = FRAGMENT * FRAGMENT * 4 // SECTOR_BYTES
     stores = rows * cols // (WARP * TENSOR_CORE_VECTOR)
-    accesses = (MemoryAccess("operand slices", "load", "global", copies, copy_sectors),
-                MemoryAccess("operand slices", "store", "shared", copies, copy_sectors),
+    accesses = (*_slice_copies(reduction, (rows, cols), chunks * tile.depth, element),
                 MemoryAccess("fragments", "load", "shared", warps * steps * (tile.fragments_i + tile.fragments_j),
                              fragment_sectors),
                 MemoryAccess("accumulators", "store", "shared", warps * tile.fragments_i * tile.fragments_j,
@@ -428,6 +426,24 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
         issued_flops=issued,
         dram_bytes=round(min(read_bytes, slices * schedule.n_tiles) + dram.written),
         block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
+
+
+def _slice_copies(reduction: te.Tensor, extents: tuple[int, int], terms: int, element: int) -> list[MemoryAccess]:
+    """A tensor-core tile's copies of its operands' slices (``extents``: rows, columns; ``terms``
+    per row, all chunks), global to shared: ``VECTOR`` elements per instruction, or one where the
+    operand is gathered (``codegen.schedule.gathered_factors``: a padded convolution's input),
+    whose warp reads 32 consecutive terms of a row, in the sectors the lanes' indices touch."""
+    accesses = []
+    guarded = [load for load in tensor_loads(reduction.op.body[0]) if load.conditions]
+    lanes = _reduction_lanes(reduction, _size(reduction) // 2, _reduction_length(reduction))
+    for name, extent, gathered in zip(("first operand", "second operand"), extents, gathered_factors(reduction)):
+        vector = 1 if gathered else TENSOR_CORE_VECTOR
+        copies = extent * terms // (WARP * vector)
+        sectors = _sectors(guarded[0], lanes) if gathered else WARP * vector * element // SECTOR_BYTES
+        accesses += [MemoryAccess(f"{name} slices", "load", "global", copies, sectors),
+                     MemoryAccess(f"{name} slices", "store", "shared", copies,
+                                  max(1, WARP * vector * element // SECTOR_BYTES))]
+    return accesses
 
 
 def _padded_flops(stage: Stage, reduction: te.Tensor, products_per_tile: int) -> int:

@@ -59,11 +59,12 @@ from tvm import s_tir, te, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import get_root_block
 
-from analysis.affine import recompute, row_major
+from analysis.affine import Rewriter, recompute, row_major
 from analysis.characterize import same_elements_axis
 from analysis.dependence import TENSOR_LOAD, IslWriter, NotAffine, is_call_to, tensor_loads
 from codegen.stitch import align
-from codegen.tensor_core import TF32_TILES, TILES, TensorCoreTile, pipeline_chunks, tensor_core_schedule
+from codegen.tensor_core import (NARROW_TILES, TF32_NARROW_TILES, TF32_TILES, TILES, TensorCoreTile, pipeline_chunks,
+                                 tensor_core_schedule)
 from souffle.errors import SouffleError
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
@@ -283,10 +284,95 @@ def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: b
     stage has (``codegen.stage`` picks one by the latency model)."""
     gemms = []
     if gpu and epilogue_mode != "shared":
-        func = te.create_prim_func(placeholders + [tensor])
+        func = te.create_prim_func(placeholders + [gathered_operands(tensor)])
         matmul = matmul_stage(te.create_prim_func(placeholders + [widened_operands(tensor)]), threads)
         gemms = tensor_core_stages(func, threads, tf32) + ([matmul] if matmul else [])
     return gemms + [_own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)]
+
+
+def gathered_operands(tensor: te.Tensor) -> te.Tensor:
+    """``tensor`` (a reduction, or the epilogue of one) with each factor of its product that reads
+    under a condition (a convolution's padding, inlined by the ``vertical`` pass) computed by a TE
+    of its own over the axes it varies with, which the product reads at those axes: an implicit
+    im2col, ``X[n, g, i, k, rc, ry, rx]`` for a grouped convolution's input. dlight's GEMM rules
+    (``get_index_map``) then see a batched matmul, and the tensor-core schedule computes the
+    factor, condition and all, as it copies it into shared memory (``codegen.tensor_core``):
+    never stored. ``tensor`` itself where no factor reads conditionally."""
+    reduction = stage_reduction(tensor)
+    if reduction is None or not any(gathered_factors(reduction)):
+        return tensor
+    body = reduction.op.body[0]
+    product = _uncast(body.source[0])
+    axes = [ax.var for ax in reduction.op.axis] + [ax.var for ax in reduction.op.reduce_axis]
+    extents = [ax.dom.extent for ax in reduction.op.axis] + [ax.dom.extent for ax in reduction.op.reduce_axis]
+    gathered = {}
+    for k, (factor, conditional) in enumerate(zip((product.a, product.b), gathered_factors(reduction))):
+        if not conditional:
+            continue
+        inner = _uncast(factor)
+        used = tirx.analysis.undefined_vars(inner)
+        kept = [i for i, var in enumerate(axes) if any(var.same_as(v) for v in used)]
+        gathered[k] = (_gathered(inner, [axes[i] for i in kept], [extents[i] for i in kept],
+                                 f"{reduction.op.name}_gathered{k}"), kept)
+
+    def rebuilt(factor, k, variables):
+        if k not in gathered:
+            return Rewriter(variables, "gathering an operand")(factor)
+        if isinstance(factor, tirx.Cast):
+            return tirx.Cast(factor.ty, rebuilt(factor.value, k, variables))
+        operand, kept = gathered[k]
+        return operand(*[variables[axes[i]] for i in kept])
+
+    def compute(*spatial):
+        reduce_axes = [te.reduce_axis(ax.dom, ax.var.name) for ax in reduction.op.reduce_axis]
+        variables = dict(zip(axes, list(spatial) + [r.var for r in reduce_axes]))
+        term = tirx.Mul(rebuilt(product.a, 0, variables), rebuilt(product.b, 1, variables))
+        return te.sum(_recast(body.source[0], term), axis=reduce_axes)
+
+    new = te.compute(reduction.shape, compute, name=reduction.op.name, tag=reduction.op.tag)
+    if reduction is tensor:
+        return new
+    return recompute(tensor, lambda t, idx, _: (new if t.op.same_as(reduction.op) else t)(*idx),
+                     f"gathering {tensor.op.name}")
+
+
+def gathered_factors(reduction: te.Tensor) -> tuple[bool, bool]:
+    """Which factors of ``reduction``'s product ``gathered_operands`` computes as TEs of their own
+    (those that read under a condition): none where the body is not one plain sum of a product."""
+    body = reduction.op.body[0] if len(reduction.op.body) == 1 else None
+    if body is None or len(body.source) != 1 or not _is_true(body.condition) or body.init:
+        return False, False
+    product = _uncast(body.source[0])
+    if not isinstance(product, tirx.Mul):
+        return False, False
+    return _conditional(_uncast(product.a)), _conditional(_uncast(product.b))
+
+
+def _gathered(expr, axes: list, extents: list, name: str) -> te.Tensor:
+    """``expr`` as a TE over ``axes`` (its variables), of ``extents``."""
+    return te.compute(extents, lambda *new: Rewriter(dict(zip(axes, new)), f"gathering {name}")(expr), name=name)
+
+
+def _uncast(expr):
+    while isinstance(expr, tirx.Cast):
+        expr = expr.value
+    return expr
+
+
+def _recast(template, value):
+    """``value`` under the casts ``template`` has above its first non-cast expression."""
+    if isinstance(template, tirx.Cast):
+        return tirx.Cast(template.ty, _recast(template.value, value))
+    return value
+
+
+def _is_true(condition) -> bool:
+    return isinstance(condition, tirx.IntImm) and bool(condition.value)
+
+
+def _conditional(expr) -> bool:
+    """Whether ``expr`` reads a tensor under a condition on the axes (a padding's bounds)."""
+    return any(load.conditions for load in tensor_loads(expr))
 
 
 def widened_operands(tensor: te.Tensor) -> te.Tensor:
@@ -579,11 +665,11 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
     register epilogue) on tensor cores, one schedule per tile of ``codegen.tensor_core.TILES``
     (``TF32_TILES``, whose fragments take float32 operands) that fits it (``codegen.tensor_core``),
     folded and carried like ``matmul_stage``'s."""
-    if not _gemm_rules_apply(func):
-        return []
+    if _product(int(d) for d in func.params[-1].shape) < MATMUL_MIN_OUTPUTS:
+        return []  # (an operand read under a condition is no bar: its copy is element-wise)
     found = []
-    for tile in TILES + (TF32_TILES if tf32 else ()):
-        scheduled = tensor_core_schedule(func, tile, threads)
+    for tile in TILES + NARROW_TILES + (TF32_TILES + TF32_NARROW_TILES if tf32 else ()):
+        scheduled = tensor_core_schedule(func, tile, threads, MATMUL_MIN_USE)
         stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads, tile.pipelined)
         # a padded tile's box is what it writes; its warps work on the whole tile
         if stage is not None and stage[1].outputs >= MATMUL_MIN_USE * stage[1].n_tiles * tile.rows * tile.columns:
@@ -592,10 +678,11 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
 
 
 def _gemm_rules_apply(func: tirx.PrimFunc) -> bool:
-    """Whether ``func`` is worth dlight's GEMM rules (``matmul_stage``, ``tensor_core_stages``): at
-    least one tile of outputs, and no operand read under a condition (a padded convolution: the
-    rules copy their slices with vector loads, and a vector select loads both sides, out of
-    bounds where the padding is; the validator found it)."""
+    """Whether ``func`` is worth dlight's SIMT matmul rule (``matmul_stage``): at least one tile of
+    outputs, and no operand read under a condition (a padded convolution: the rule copies its
+    slices with vector loads, and a vector select loads both sides, out of bounds where the
+    padding is; the validator found it). The tensor-core tiles copy such an operand element-wise
+    (``tensor_core_stages``)."""
     return _product(int(d) for d in func.params[-1].shape) >= MATMUL_MIN_OUTPUTS and not _reads_conditionally(func)
 
 

@@ -104,6 +104,17 @@ TILES = (TensorCoreTile(2, 4, 4, 2), TensorCoreTile(2, 4, 2, 2), TensorCoreTile(
 # The same tiles for float32 operands in TF32: m16n16k8 fragments, 32 terms a chunk, so that the
 # float32 slices take the shared memory of the 16-bit tiles' 64 terms.
 TF32_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"]) for tile in TILES)
+# Tiles one or two fragments wide, for a GEMM of at most ``NARROW_COLUMNS`` columns (a grouped
+# convolution's group: paper ResNeXt's 16 or 32 output channels), which the tiles above would
+# leave three quarters empty. Three fragments of terms a chunk: a 3 x 3 window over 16 input
+# channels is 144 terms, three whole chunks. Not pipelined: a grouped convolution's input slice is
+# gathered (``codegen.schedule.gathered_operands``), an index and a condition per element, and
+# holding a thread's 24 elements of the next chunk took ptxas to 255 registers and a spill (paper
+# ResNeXt at fp16, sm_90), where the unpipelined tile takes 80.
+NARROW_COLUMNS = 32
+NARROW_TILES = (TensorCoreTile(8, 1, 1, 1, k_fragments=3, pipelined=False),
+                TensorCoreTile(4, 2, 1, 1, k_fragments=3, pipelined=False))
+TF32_NARROW_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"]) for tile in NARROW_TILES)
 
 
 def gemm_extents(sch: s_tir.Schedule, block) -> tuple[int, int, int, int] | None:
@@ -173,13 +184,31 @@ def _operand_dtypes(tile: TensorCoreTile) -> tuple[str, ...]:
     return tuple(dtype for dtype, k in FRAGMENT_K.items() if k == tile.fragment_k)
 
 
-def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int) -> s_tir.Schedule | None:
+def _conditional_reads(sch: s_tir.Schedule, block) -> list[bool]:
+    """For each buffer ``block`` reads, whether the block that computes it chooses its values by a
+    condition (``codegen.schedule.gathered_operands``: a padded convolution's input)."""
+    conditional = []
+    for producer in sch.get_producers(block):
+        stmt = sch.get(producer)
+        if "if_then_else(" in str(stmt.body) or "Select(" in str(stmt.body):
+            conditional.extend(write.source for write in stmt.writes)
+    return [any(read.source.same_as(c) for c in conditional) for read in sch.get(block).reads]
+
+
+def _whole(extent: int, tile: int) -> int:
+    """``extent`` rounded up to whole tiles."""
+    return -(-extent // tile) * tile
+
+
+def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int,
+                         min_use: float = 0.0) -> s_tir.Schedule | None:
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
     without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
     ``threads`` threads, padded to whole tiles, or None where it does not fit: other dtypes, not
-    GEMM-shaped, columns or terms not whole vectors, or a tile of other than ``threads / 32``
-    warps. Its tiles are bound to ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds
-    them."""
+    GEMM-shaped, columns or terms not whole vectors, a tile of other than ``threads / 32`` warps,
+    or one whose padded tiles the GEMM's outputs would fill less than ``min_use`` of. Its tiles
+    are bound to ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them. An operand
+    computed under a condition (``codegen.schedule.gathered_operands``) is copied element-wise."""
     if tile.warps * WARP != threads:
         return None
     sch = s_tir.Schedule(func)
@@ -188,6 +217,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         return None
     main = reductions[0]
     stmt = sch.get(main)
+    conditional = _conditional_reads(sch, main)
     operands = [str(r.source.dtype) for r in stmt.reads]
     if operands not in [[dtype, dtype] for dtype in _operand_dtypes(tile)] or \
             [str(w.source.dtype) for w in stmt.writes] != ["float32"]:
@@ -210,6 +240,10 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     if extents is None:
         return None
     _, rows, columns, depth = extents
+    if tile.columns <= NARROW_COLUMNS < columns:
+        return None  # a narrow tile is for a narrow GEMM; a wider one takes the wide tiles
+    if rows * columns < min_use * _whole(rows, tile.rows) * _whole(columns, tile.columns):
+        return None
     if columns % VECTOR or depth % VECTOR:
         return None  # a padded vector would be read or stored in part: the condition must hold for all of it
     # dlight's padding: rows, columns and terms past the GEMM's read as zeros (a branch around each
@@ -236,10 +270,15 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         copy = sch.cache_read(outer, index, "shared.dyn")
         sch.compute_at(copy, k_chunk)
         fused = sch.fuse(*sch.get_loops(copy)[-2:])
-        _, copy_warp, lane, vector = sch.split(fused, [None, tile.warps, WARP, VECTOR])
+        # an operand computed under a condition (a padding) is copied an element at a time: a
+        # vector select loads every element of the vector, those the condition excludes too
+        # (TVM vectorizes one whose indices are a ramp: a padded input read along its rows)
+        width = 1 if conditional[index] else VECTOR
+        _, copy_warp, lane, vector = sch.split(fused, [None, tile.warps, WARP, width])
         sch.bind(lane, "threadIdx.x")
         sch.bind(copy_warp, "threadIdx.y")
-        sch.vectorize(vector)
+        if width > 1:
+            sch.vectorize(vector)
         sch.storage_align(copy, 0, axis=-2, factor=FRAGMENT, offset=SLICE_PAD)
         return copy
 

@@ -187,16 +187,20 @@ def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: s
     reduction (``is_gemm``), a padding (``pads``: read by a grouped or depthwise convolution or a
     pooling). A padding on the way to a GEMM is none, since the GEMM rules take no condition
     inside an operand: there the arithmetic before it is stored with it, and the GEMM reads it
-    unconditionally. Elsewhere the arithmetic is stored in its producer's tiles (paper ResNeXt's
-    batch norm and ReLU, its convolution's epilogue) and the padding is read through: a stage and
+    unconditionally. Not on the way to a batched one (a grouped convolution, its group an axis):
+    a group's GEMM is small (paper ResNeXt: 196 x 16 x 144), so that the stored copy would cost
+    about what the GEMM does, and the tensor cores take the padding inside the operand
+    (``codegen.schedule.gathered_operands``). Elsewhere the arithmetic is stored in its
+    producer's tiles (paper ResNeXt's batch norm and ReLU, its convolution's epilogue) and the padding is read through: a stage and
     a grid barrier fewer in most blocks (the H100 timed each stored padding of paper ResNeXt at
     fp32 at 6-15 us, EfficientNet's at 7)."""
     pure = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
     # a padding of no condition is a plain load: ``paddings`` holds ``pure``
     paddings = {s.op for s in stages if _element_wise(s) and s.op not in kept and pads(s.op.body[0])}
-    to_gemm: set = set()  # the ops read by a GEMM-shaped reduction, or by a padding in ``to_gemm``
+    to_gemm: set = set()  # the ops read by an unbatched GEMM, or by a padding in ``to_gemm``
     for stage in reversed(stages):  # readers come after their producers
-        if any((r.op.reduce_axis and is_gemm(r)) or (r.op in paddings and r.op in to_gemm)
+        if any((r.op.reduce_axis and is_gemm(r) and not is_gemm(r, batched=True)) or
+               (r.op in paddings and r.op in to_gemm)
                for r in readers.get(stage.op, [])):
             to_gemm.add(stage.op)
     layout = pure | (paddings - to_gemm)
@@ -232,14 +236,20 @@ def _in_producer_shape(tensor: te.Tensor, reshaped_only: bool = False) -> tuple[
         return None
     (shape,) = shapes
     stored = te.compute(shape, lambda *j: _reshaped(tensor, j, shape), name=tensor.op.name, tag=tensor.op.tag)
-    axes = [ax.var for ax in stored.op.axis]
     for load in tensor_loads(stored.op.body[0]):
         if _is_reduction(load.tensor) and _size(load.tensor.shape) == size and \
-                not structural_equal(list(load.indices), axes):
+                not all(_at_axis(index, axis) for index, axis in zip(load.indices, stored.op.axis)):
             return None
     view = te.compute(tensor.shape, lambda *a: stored(*_reshape_index(a, tensor.shape, shape)),
                       name=f"{tensor.op.name}_view")
     return stored, view
+
+
+def _at_axis(index, axis) -> bool:
+    """Whether ``index`` is ``axis``'s variable, or 0 on an axis of extent 1."""
+    if int(axis.dom.extent) == 1 and isinstance(index, tvm.tirx.IntImm):
+        return index.value == 0
+    return structural_equal(index, axis.var)
 
 
 def _before_widening(tensor: te.Tensor) -> te.Tensor | None:

@@ -361,10 +361,12 @@ def test_a_padding_read_by_a_grouped_convolution_is_read_through(target):
     relu = te.compute((4, 8), lambda i, j: tirx.Select(x[i, j] > 0.0, x[i, j], 0.0), name="relu")
     assert pads(padded.op.body[0]) and not pads(joined.op.body[0]) and not pads(relu.op.body[0])
     grouped = vertical(lower_graph(_conv_relu_conv(groups=4))).stages()
-    assert [bool(t.op.reduce_axis) for t in grouped] == [True, False, True]
+    # the last: the output, NCHW, of the convolution's [N, groups, O / groups, H, W] (its epilogue)
+    assert [bool(t.op.reduce_axis) for t in grouped] == [True, False, True, False]
     assert [int(d) for d in grouped[1].shape] == [1, 8, 6, 6]
     assert grouped[1].op.input_tensors[0].op.same_as(grouped[0].op)
     assert [t.op for t in grouped[2].op.input_tensors if t.op.same_as(grouped[1].op)]  # the padding read through
+    assert [int(d) for d in grouped[2].shape] == [1, 4, 2, 6, 6]
     dense = vertical(lower_graph(_conv_relu_conv(groups=1))).stages()
     assert [bool(t.op.reduce_axis) for t in dense] == [True, False, True]
     assert [int(d) for d in dense[1].shape] == [1, 8, 8, 8]  # the padded ReLU, stored

@@ -314,11 +314,43 @@ def conv2d(inputs, stride, padding, dilation, groups, split_k):
         filt = _reshape(w, (channels, out_channels // channels) + shape_of(w)[2:])
         y = topi.nn.depthwise_conv2d_nchw(x, filt, stride, padding, dilation, out_dtype=accumulator)
     else:
-        y = topi.nn.group_conv2d_nchw(x, w, stride, padding, dilation, groups, out_dtype=accumulator)
+        y = _group_conv2d(x, w, groups, stride, padding, dilation, accumulator)
     if len(inputs) == 3:
         bias = inputs[2]
         y = te.compute(y.shape, lambda n, o, i, j: y[n, o, i, j] + bias[o].astype(accumulator), name="conv2d_bias")
     return _rounded(y, x)
+
+
+def _group_conv2d(x: te.Tensor, w: te.Tensor, groups: int, stride, padding, dilation,
+                  accumulator: str) -> te.Tensor:
+    """A grouped convolution as a batch of GEMMs over its groups, ``[N, groups, O / groups, H, W]``
+    (each group's output pixels the rows, its output channels the columns, its input channels
+    times the window the terms), read back as NCHW: the group an explicit axis, so that dlight's
+    GEMM rules (``codegen.tensor_core``) see a batched matmul where topi's ``group_conv2d_nchw``
+    reads the input at ``o // (O / groups)``, which they take for no GEMM. The padding is topi's,
+    a TE of its own that the ``vertical`` pass inlines."""
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    batch, _, height, width = shape_of(x)
+    out_channels, group_channels, r, s = shape_of(w)
+    group_outputs = out_channels // groups
+    out_h = (height + 2 * ph - dh * (r - 1) - 1) // sh + 1
+    out_w = (width + 2 * pw - dw * (s - 1) - 1) // sw + 1
+    padded = topi.nn.pad(x, (0, 0, ph, pw), (0, 0, ph, pw), name="group_conv2d_pad") if ph or pw else x
+    rc = te.reduce_axis((0, group_channels), name="rc")
+    ry = te.reduce_axis((0, r), name="ry")
+    rx = te.reduce_axis((0, s), name="rx")
+    grouped = te.compute(
+        (batch, groups, group_outputs, out_h, out_w),
+        lambda b, g, j, i, k: te.sum(
+            padded[b, g * group_channels + rc, i * sh + ry * dh, k * sw + rx * dw].astype(accumulator)
+            * w[g * group_outputs + j, rc, ry, rx].astype(accumulator),
+            axis=[rc, ry, rx],
+        ),
+        name="group_conv2d_nchw", tag="group_conv2d_nchw",
+    )
+    return te.compute((batch, out_channels, out_h, out_w),
+                      lambda b, o, i, k: grouped[b, o // group_outputs, o % group_outputs, i, k],
+                      name="group_conv2d_channels")
 
 
 def _split_k_pointwise(x: te.Tensor, w: te.Tensor, parts: int, accumulator: str) -> te.Tensor:
