@@ -49,7 +49,8 @@ OPS = {
         ("T_reshape", [("T_matmul_NN", R)])]),
     "batch_matmul": ([(2, 4, 8), (2, 8, 6)], {}, [("T_batch_matmul_NN", [("in0", N), ("in1", N)])]),
     "conv2d": ([(1, 8, 6, 6), (8, 4, 3, 3)], {"padding": 1, "groups": 2}, [
-        ("pad_temp", [("in0", O)]), ("group_conv2d_nchw", [("pad_temp", N), ("in1", N)])]),
+        ("group_conv2d_pad", [("in0", O)]), ("group_conv2d_nchw", [("group_conv2d_pad", N), ("in1", N)]),
+        ("group_conv2d_channels", [("group_conv2d_nchw", R)])]),  # [N, groups, O / groups, H, W] read as NCHW
     "conv2d_packed": ([(1, 4, 6, 6), (2, 4, 3, 3, 4)], {"padding": 1}, [
         ("conv2d_packed_pad", [("in0", O)]), ("conv2d_packed", [("conv2d_packed_pad", N), ("in1", N)])]),
     "dense_packed": ([(4, 8), (2, 8, 4)], {}, [("dense_packed", [("in0", N), ("in1", N)])]),
@@ -188,18 +189,21 @@ def test_transpose_is_a_shuffle():
 
 
 def test_padding_keeps_its_condition_exactly():
-    access = spatial_of("conv2d", [(1, 8, 6, 6), (8, 4, 3, 3)], {"padding": 1, "groups": 2}, "pad_temp", "in0")
+    access = spatial_of("conv2d", [(1, 8, 6, 6), (8, 4, 3, 3)], {"padding": 1, "groups": 2}, "group_conv2d_pad", "in0")
     assert access.exact
     assert access.spatial.is_equal(isl.Map(
-        "{ pad_temp[i0, i1, i2, i3] -> in0[i0, i1, i2 - 1, i3 - 1] : i0 = 0 and 0 <= i1 < 8 and 1 <= i2 < 7 and 1 <= i3 < 7 }"))
+        "{ group_conv2d_pad[i0, i1, i2, i3] -> in0[i0, i1, i2 - 1, i3 - 1] : "
+        "i0 = 0 and 0 <= i1 < 8 and 1 <= i2 < 7 and 1 <= i3 < 7 }"))
     assert classify(access)[0] == ONE_TO_ONE
 
 
 def test_grouped_conv_reads_its_group_window():
-    access = spatial_of("conv2d", [(1, 8, 6, 6), (8, 4, 3, 3)], {"padding": 1, "groups": 2}, "group_conv2d_nchw", "pad_temp")
-    assert access.relation.is_equal(isl.Map(
-        "{ group_conv2d_nchw[n, f, y, x, rc, ry, rx] -> pad_temp[n, 4 * floor(f/4) + rc, y + ry, x + rx] : "
-        "n = 0 and 0 <= f < 8 and 0 <= y < 6 and 0 <= x < 6 and 0 <= rc < 4 and 0 <= ry < 3 and 0 <= rx < 3 }"))
+    access = spatial_of("conv2d", [(1, 8, 6, 6), (8, 4, 3, 3)], {"padding": 1, "groups": 2}, "group_conv2d_nchw",
+                        "group_conv2d_pad")
+    assert access.relation.is_equal(isl.Map(  # the group an axis of its own: [N, groups, O / groups, H, W]
+        "{ group_conv2d_nchw[n, g, j, y, x, rc, ry, rx] -> group_conv2d_pad[n, 4 * g + rc, y + ry, x + rx] : "
+        "n = 0 and 0 <= g < 2 and 0 <= j < 4 and 0 <= y < 6 and 0 <= x < 6 and 0 <= rc < 4 and 0 <= ry < 3 "
+        "and 0 <= rx < 3 }"))
     mapping, one, fan_in, reason = classify(access)
     assert (mapping, one, fan_in) == (MANY_TO_MANY, False, 4 * 3 * 3)
     assert access.reduce_axes_used == ("r0", "r1", "r2") and "reduction axes r0, r1, r2" in reason
