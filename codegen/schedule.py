@@ -82,6 +82,10 @@ SAME_ELEMENTS_AXIS_MAX = 4
 # threads, 64 x 64) is scheduled by ``matmul_stage``; smaller ones by ``thread_reduce``.
 MATMUL_MIN_OUTPUTS = 64 * 64
 MATMUL_MIN_USE = 0.5  # and its tiles must be at least half full
+# A narrow tensor-core tile (``codegen.tensor_core.NARROW_TILES``) a quarter full: a grouped
+# convolution of 8 output channels per group fills half of a fragment's 16 columns, where the
+# thread_reduce template does all of its 9 x channels terms in one thread per output
+NARROW_MIN_USE = 0.25
 MATMUL_PIPELINED = True  # the next chunk's slices loaded into registers during this one's FMAs
 # dlight's CUDA matmul configuration: each thread accumulates MATMUL_VTHREADS x MATMUL_MICRO
 # outputs (rows along threadIdx.x, interleaved by virtual threads: lane i holds rows i and i + 32;
@@ -669,10 +673,11 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
         return []  # (an operand read under a condition is no bar: its copy is element-wise)
     found = []
     for tile in TILES + NARROW_TILES + (TF32_TILES + TF32_NARROW_TILES if tf32 else ()):
-        scheduled = tensor_core_schedule(func, tile, threads, MATMUL_MIN_USE)
+        min_use = NARROW_MIN_USE if tile in NARROW_TILES + TF32_NARROW_TILES else MATMUL_MIN_USE
+        scheduled = tensor_core_schedule(func, tile, threads, min_use)
         stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads, tile.pipelined)
         # a padded tile's box is what it writes; its warps work on the whole tile
-        if stage is not None and stage[1].outputs >= MATMUL_MIN_USE * stage[1].n_tiles * tile.rows * tile.columns:
+        if stage is not None and stage[1].outputs >= min_use * stage[1].n_tiles * tile.rows * tile.columns:
             found.append((stage[0], dataclasses.replace(stage[1], tensor_core_tile=tile)))
     return found
 

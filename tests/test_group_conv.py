@@ -12,6 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import islpy as isl
 import numpy as np
 import pytest
 import torch
@@ -69,18 +70,24 @@ def test_a_grouped_convolution_is_a_batched_gemm_over_its_groups(run_op):
     np.testing.assert_allclose(run_op("conv2d", [x, w], stride=2, padding=1, groups=2), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_padded_input_is_gathered_by_a_te_of_the_axes_it_varies_with():
+def _padded_group_conv(group_outputs: int):
+    """4 groups of 16 channels, 14 x 14, its padding inlined as the ``vertical`` pass leaves it."""
     x = te.placeholder((1, 64, 14, 14), "float16", name="x")
-    w = te.placeholder((64, 16, 3, 3), "float16", name="w")
+    w = te.placeholder((4 * group_outputs, 16, 3, 3), "float16", name="w")
     rc, ry, rx = te.reduce_axis((0, 16), "rc"), te.reduce_axis((0, 3), "ry"), te.reduce_axis((0, 3), "rx")
 
-    def padded(b, c, h, v):  # what the vertical pass leaves of topi's padding, inlined
+    def padded(b, c, h, v):
         inside = tirx.all(h >= 1, h < 15, v >= 1, v < 15)
         return tirx.if_then_else(inside, x[b, c, h - 1, v - 1], tirx.const(0, "float16"))
 
-    conv = te.compute((1, 4, 16, 14, 14), lambda b, g, j, i, k: te.sum(
-        padded(b, g * 16 + rc, i + ry, k + rx).astype("float32") * w[g * 16 + j, rc, ry, rx].astype("float32"),
-        axis=[rc, ry, rx]), name="conv")
+    conv = te.compute((1, 4, group_outputs, 14, 14), lambda b, g, j, i, k: te.sum(
+        padded(b, g * 16 + rc, i + ry, k + rx).astype("float32")
+        * w[g * group_outputs + j, rc, ry, rx].astype("float32"), axis=[rc, ry, rx]), name="conv")
+    return x, w, conv
+
+
+def test_the_padded_input_is_gathered_by_a_te_of_the_axes_it_varies_with():
+    x, w, conv = _padded_group_conv(16)
     assert gathered_factors(conv) == (True, False)
     gathered = gathered_operands(conv)
     (operand,) = [t for t in gathered.op.input_tensors if t.op.name == "conv_gathered0"]
@@ -88,11 +95,23 @@ def test_the_padded_input_is_gathered_by_a_te_of_the_axes_it_varies_with():
     assert [t.op.name for t in gathered.op.input_tensors] == ["conv_gathered0", "w"]
     func = te.create_prim_func([x, w, gathered])
     stages = tensor_core_stages(func)
-    assert [s.tensor_core_tile for _, s in stages] == [NARROW_TILES[0]]  # 16 columns: the wide tiles are idle
-    assert stages[0][1].n_tiles == 4 * 2  # each group's 196 rows in two tiles of 128
+    assert [s.tensor_core_tile for _, s in stages] == list(NARROW_TILES)  # 16 columns: the wide tiles are idle
+    assert [s.n_tiles for _, s in stages] == [4 * 2, 4 * 4]  # each group's 196 rows in tiles of 128, of 64
     unpadded = _reduction(lower_op("conv2d", [x, w], {"groups": 4, "stride": 1, "padding": 0, "dilation": 1,
                                                       "split_k": 1})[0])
     assert gathered_factors(unpadded) == (False, False) and gathered_operands(unpadded) is unpadded
+
+
+def test_eight_channels_per_group_take_a_narrow_tile_half_full_and_four_none():
+    """A narrow tile may be a quarter full (``NARROW_MIN_USE``): 8 output channels per group fill
+    half its 16 columns, and it writes only those; 4 (with the rows' padding) fill less."""
+    x, w, conv = _padded_group_conv(8)
+    ((_, schedule),) = tensor_core_stages(te.create_prim_func([x, w, gathered_operands(conv)]))
+    assert schedule.tensor_core_tile == NARROW_TILES[0] and schedule.n_tiles == 4 * 2
+    assert isl.Map(schedule.tile_relation).range().is_equal(isl.Set(
+        "{ [0, g, j, i, k] : 0 <= g < 4 and 0 <= j < 8 and 0 <= i < 14 and 0 <= k < 14 }"))
+    x, w, conv = _padded_group_conv(4)
+    assert tensor_core_stages(te.create_prim_func([x, w, gathered_operands(conv)])) == []
 
 
 def _stages(graph, precision: str) -> list[str]:
