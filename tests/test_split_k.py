@@ -62,7 +62,8 @@ def test_the_split_gemm_matches_numpy_on_the_cpu():
     np.testing.assert_allclose(model.run(inputs)[0], expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("parts", [2, 4, 8])
+# two parts with -m slow: 62 s, its llvm-persistent build (four and eight parts take a second each)
+@pytest.mark.parametrize("parts", [pytest.param(2, marks=pytest.mark.slow), 4, 8])
 def test_the_ops_split_k_is_the_same_product_on_the_cpu(parts):
     """``dense``'s ``split_k`` on the CPU targets: llvm packs the weight and drops the split,
     llvm-persistent at O3 (no split_k pass) lowers it as it is."""
