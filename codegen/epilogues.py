@@ -65,19 +65,16 @@ def epilogue_mode(producer: te.Tensor, consumer: te.Tensor, threads: int) -> str
 
 
 def _reads_own_index(relation: isl.Map, consumer_shape: list[int], producer_shape: list[int]) -> bool:
-    """Whether the consumer reads each result at its own index: the same index where the shapes
-    are equal, or the same once their axes of extent 1 are dropped (a batched matrix product
-    of shape (heads, S, S) read as (1, heads, S, S), as an exported model reshapes it), or the
-    same row-major position of another shape of as many elements (a grouped convolution's
-    [N, groups, O / groups, H, W] read as NCHW, ``souffle.ops.nn``)."""
-    source, target = relation.get_tuple_name(isl.dim_type.in_), relation.get_tuple_name(isl.dim_type.out)
-    names = [f"a{k}" for k in range(len(consumer_shape))]
-    if [d for d in consumer_shape if d != 1] == [d for d in producer_shape if d != 1]:
-        wide = iter(name for name, d in zip(names, consumer_shape) if d != 1)
-        index = [next(wide) if d != 1 else "0" for d in producer_shape]
-        return relation.is_subset(isl.Map(f"{{ {source}[{', '.join(names)}] -> {target}[{', '.join(index)}] }}"))
+    """Whether the consumer reads each result at its own index: the same row-major position of a
+    shape of as many elements. That is the same index where the shapes are equal, the same once
+    their axes of extent 1 are dropped (a batched matrix product of shape (heads, S, S) read as
+    (1, heads, S, S), as an exported model reshapes it), or a reshape (a grouped convolution's
+    [N, groups, O / groups, H, W] read as NCHW, ``souffle.ops.nn``): the relation's indices are
+    within the shapes, where a row-major position is one element."""
     if int(np.prod(consumer_shape)) != int(np.prod(producer_shape)):
         return False
+    source, target = relation.get_tuple_name(isl.dim_type.in_), relation.get_tuple_name(isl.dim_type.out)
+    names = [f"a{k}" for k in range(len(consumer_shape))]
     produced = [f"b{k}" for k in range(len(producer_shape))]
     same_position = isl.Map(f"{{ {source}[{', '.join(names)}] -> {target}[{', '.join(produced)}] : "
                             f"{flat_index(names, consumer_shape)} = {flat_index(produced, producer_shape)} }}")

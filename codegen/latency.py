@@ -434,16 +434,21 @@ def _slice_copies(reduction: te.Tensor, extents: tuple[int, int], terms: int, el
     operand is gathered (``codegen.schedule.gathered_factors``: a padded convolution's input),
     whose warp reads 32 consecutive terms of a row, in the sectors the lanes' indices touch."""
     accesses = []
-    guarded = [load for load in tensor_loads(reduction.op.body[0]) if load.conditions]
-    lanes = _reduction_lanes(reduction, _size(reduction) // 2, _reduction_length(reduction))
     for name, extent, gathered in zip(("first operand", "second operand"), extents, gathered_factors(reduction)):
         vector = 1 if gathered else TENSOR_CORE_VECTOR
         copies = extent * terms // (WARP * vector)
-        sectors = _sectors(guarded[0], lanes) if gathered else WARP * vector * element // SECTOR_BYTES
+        sectors = _gathered_sectors(reduction) if gathered else WARP * vector * element // SECTOR_BYTES
         accesses += [MemoryAccess(f"{name} slices", "load", "global", copies, sectors),
                      MemoryAccess(f"{name} slices", "store", "shared", copies,
                                   max(1, WARP * vector * element // SECTOR_BYTES))]
     return accesses
+
+
+def _gathered_sectors(reduction: te.Tensor) -> int:
+    """The sectors a warp's copy of a gathered operand touches: its lanes take 32 consecutive
+    terms of one row (a middle output), each its guarded load."""
+    guarded = next(load for load in tensor_loads(reduction.op.body[0]) if load.conditions)
+    return _sectors(guarded, _reduction_lanes(reduction, _size(reduction) // 2, _reduction_length(reduction)))
 
 
 def _padded_flops(stage: Stage, reduction: te.Tensor, products_per_tile: int) -> int:

@@ -63,8 +63,8 @@ from analysis.affine import Rewriter, recompute, row_major
 from analysis.characterize import same_elements_axis
 from analysis.dependence import TENSOR_LOAD, IslWriter, NotAffine, is_call_to, tensor_loads
 from codegen.stitch import align
-from codegen.tensor_core import (NARROW_TILES, TF32_NARROW_TILES, TF32_TILES, TILES, TensorCoreTile, pipeline_chunks,
-                                 tensor_core_schedule)
+from codegen.tensor_core import (NARROW_COLUMNS, NARROW_TILES, TF32_NARROW_TILES, TF32_TILES, TILES, TensorCoreTile,
+                                 pipeline_chunks, selects, tensor_core_schedule)
 from souffle.errors import SouffleError
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
@@ -303,14 +303,15 @@ def gathered_operands(tensor: te.Tensor) -> te.Tensor:
     factor, condition and all, as it copies it into shared memory (``codegen.tensor_core``):
     never stored. ``tensor`` itself where no factor reads conditionally."""
     reduction = stage_reduction(tensor)
-    if reduction is None or not any(gathered_factors(reduction)):
+    factors = (False, False) if reduction is None else gathered_factors(reduction)
+    if not any(factors):
         return tensor
     body = reduction.op.body[0]
     product = _uncast(body.source[0])
     axes = [ax.var for ax in reduction.op.axis] + [ax.var for ax in reduction.op.reduce_axis]
     extents = [ax.dom.extent for ax in reduction.op.axis] + [ax.dom.extent for ax in reduction.op.reduce_axis]
     gathered = {}
-    for k, (factor, conditional) in enumerate(zip((product.a, product.b), gathered_factors(reduction))):
+    for k, (factor, conditional) in enumerate(zip((product.a, product.b), factors)):
         if not conditional:
             continue
         inner = _uncast(factor)
@@ -673,7 +674,7 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
         return []  # (an operand read under a condition is no bar: its copy is element-wise)
     found = []
     for tile in TILES + NARROW_TILES + (TF32_TILES + TF32_NARROW_TILES if tf32 else ()):
-        min_use = NARROW_MIN_USE if tile in NARROW_TILES + TF32_NARROW_TILES else MATMUL_MIN_USE
+        min_use = NARROW_MIN_USE if tile.columns <= NARROW_COLUMNS else MATMUL_MIN_USE
         scheduled = tensor_core_schedule(func, tile, threads, min_use)
         stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads, tile.pipelined)
         # a padded tile's box is what it writes; its warps work on the whole tile
@@ -796,8 +797,7 @@ def _reads_conditionally(func: tirx.PrimFunc) -> bool:
         block = realize.block
         if block.name_hint == "root":
             continue
-        text = str(block.body)
-        if "if_then_else(" in text or "Select(" in text:
+        if selects(block):
             return True
         if any(iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars):
             return False

@@ -184,14 +184,17 @@ def _operand_dtypes(tile: TensorCoreTile) -> tuple[str, ...]:
     return tuple(dtype for dtype, k in FRAGMENT_K.items() if k == tile.fragment_k)
 
 
+def selects(block: s_tir.SBlock) -> bool:
+    """Whether ``block`` chooses its values by a condition (``if_then_else`` or a select)."""
+    text = str(block.body)
+    return "if_then_else(" in text or "Select(" in text
+
+
 def _conditional_reads(sch: s_tir.Schedule, block) -> list[bool]:
-    """For each buffer ``block`` reads, whether the block that computes it chooses its values by a
-    condition (``codegen.schedule.gathered_operands``: a padded convolution's input)."""
-    conditional = []
-    for producer in sch.get_producers(block):
-        stmt = sch.get(producer)
-        if "if_then_else(" in str(stmt.body) or "Select(" in str(stmt.body):
-            conditional.extend(write.source for write in stmt.writes)
+    """For each buffer ``block`` reads, whether the block that computes it ``selects`` its values
+    (``codegen.schedule.gathered_operands``: a padded convolution's input)."""
+    conditional = [write.source for producer in sch.get_producers(block) if selects(sch.get(producer))
+                   for write in sch.get(producer).writes]
     return [any(read.source.same_as(c) for c in conditional) for read in sch.get(block).reads]
 
 

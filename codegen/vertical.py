@@ -191,9 +191,9 @@ def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: s
     a group's GEMM is small (paper ResNeXt: 196 x 16 x 144), so that the stored copy would cost
     about what the GEMM does, and the tensor cores take the padding inside the operand
     (``codegen.schedule.gathered_operands``). Elsewhere the arithmetic is stored in its
-    producer's tiles (paper ResNeXt's batch norm and ReLU, its convolution's epilogue) and the padding is read through: a stage and
-    a grid barrier fewer in most blocks (the H100 timed each stored padding of paper ResNeXt at
-    fp32 at 6-15 us, EfficientNet's at 7)."""
+    producer's tiles (paper ResNeXt's batch norm and ReLU, its convolution's epilogue) and the
+    padding is read through: a stage and a grid barrier fewer in most blocks (the H100 timed each
+    stored padding of paper ResNeXt at fp32 at 6-15 us, EfficientNet's at 7)."""
     pure = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
     # a padding of no condition is a plain load: ``paddings`` holds ``pure``
     paddings = {s.op for s in stages if _element_wise(s) and s.op not in kept and pads(s.op.body[0])}

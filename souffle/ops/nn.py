@@ -321,6 +321,21 @@ def conv2d(inputs, stride, padding, dilation, groups, split_k):
     return _rounded(y, x)
 
 
+def window_operand(x: te.Tensor, weight_shape, stride, padding, dilation, pad_name: str):
+    """What a convolution of ``x`` (NCHW) by a weight of ``weight_shape`` ((O, C / groups, R, S),
+    or packed with a last axis) reads: ``x`` padded (topi's pad, a TE of its own, or ``x``), the
+    output's height and width, and the reduction axes over a group's channels and the window."""
+    _, group_channels, r, s = weight_shape[:4]
+    height, width = shape_of(x)[2:]
+    out_h = _window_count(height, r, stride[0], padding[0], dilation[0])
+    out_w = _window_count(width, s, stride[1], padding[1], dilation[1])
+    ph, pw = padding
+    padded = topi.nn.pad(x, (0, 0, ph, pw), (0, 0, ph, pw), name=pad_name) if ph or pw else x
+    axes = (te.reduce_axis((0, group_channels), name="rc"), te.reduce_axis((0, r), name="ry"),
+            te.reduce_axis((0, s), name="rx"))
+    return padded, (out_h, out_w), axes
+
+
 def _group_conv2d(x: te.Tensor, w: te.Tensor, groups: int, stride, padding, dilation,
                   accumulator: str) -> te.Tensor:
     """A grouped convolution as a batch of GEMMs over its groups, ``[N, groups, O / groups, H, W]``
@@ -329,16 +344,12 @@ def _group_conv2d(x: te.Tensor, w: te.Tensor, groups: int, stride, padding, dila
     GEMM rules (``codegen.tensor_core``) see a batched matmul where topi's ``group_conv2d_nchw``
     reads the input at ``o // (O / groups)``, which they take for no GEMM. The padding is topi's,
     a TE of its own that the ``vertical`` pass inlines."""
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    batch, _, height, width = shape_of(x)
-    out_channels, group_channels, r, s = shape_of(w)
+    (sh, sw), (dh, dw) = stride, dilation
+    batch = shape_of(x)[0]
+    out_channels, group_channels = shape_of(w)[:2]
     group_outputs = out_channels // groups
-    out_h = (height + 2 * ph - dh * (r - 1) - 1) // sh + 1
-    out_w = (width + 2 * pw - dw * (s - 1) - 1) // sw + 1
-    padded = topi.nn.pad(x, (0, 0, ph, pw), (0, 0, ph, pw), name="group_conv2d_pad") if ph or pw else x
-    rc = te.reduce_axis((0, group_channels), name="rc")
-    ry = te.reduce_axis((0, r), name="ry")
-    rx = te.reduce_axis((0, s), name="rx")
+    padded, (out_h, out_w), (rc, ry, rx) = window_operand(x, shape_of(w), stride, padding, dilation,
+                                                           "group_conv2d_pad")
     grouped = te.compute(
         (batch, groups, group_outputs, out_h, out_w),
         lambda b, g, j, i, k: te.sum(

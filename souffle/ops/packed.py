@@ -16,7 +16,7 @@ import numpy as np
 from tvm import te, topi
 
 from souffle.ops.common import is_int, prod, require_float, require_rank, require_same_dtype, shape_of
-from souffle.ops.nn import _accumulator, _rounded, _window_attrs
+from souffle.ops.nn import _accumulator, _rounded, _window_attrs, window_operand
 from souffle.ops.nn import _conv2d as conv2d_rule
 from souffle.ops.registry import fail, register_op
 
@@ -84,17 +84,14 @@ def conv2d_packed(inputs, stride, padding, dilation, groups):
     x, wp = inputs[0], inputs[1]
     if not is_int(groups):
         fail(f"groups must be an int, got {groups!r}")
-    _, (sh, sw), (ph, pw), (dh, dw) = _window_attrs({"stride": stride, "padding": padding, "dilation": dilation})
-    n, channels, height, width = shape_of(x)
-    blocks, group_channels, r, s, block = shape_of(wp)
+    _, stride, padding, dilation = _window_attrs({"stride": stride, "padding": padding, "dilation": dilation})
+    (sh, sw), (dh, dw) = stride, dilation
+    n = shape_of(x)[0]
+    blocks, group_channels, _, _, block = shape_of(wp)
     out_channels = blocks * block
     group_outputs = out_channels // groups
-    out_h = (height + 2 * ph - dh * (r - 1) - 1) // sh + 1
-    out_w = (width + 2 * pw - dw * (s - 1) - 1) // sw + 1
-    padded = topi.nn.pad(x, (0, 0, ph, pw), (0, 0, ph, pw), name="conv2d_packed_pad") if ph or pw else x
-    rc = te.reduce_axis((0, group_channels), name="rc")
-    ry = te.reduce_axis((0, r), name="ry")
-    rx = te.reduce_axis((0, s), name="rx")
+    padded, (out_h, out_w), (rc, ry, rx) = window_operand(x, shape_of(wp), stride, padding, dilation,
+                                                           "conv2d_packed_pad")
 
     def channel(o):
         return rc if groups == 1 else o // group_outputs * group_channels + rc
