@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from dataclasses import dataclass
 
 from tvm import s_tir, tirx
@@ -126,6 +127,23 @@ def gemm_extents(sch: s_tir.Schedule, block) -> tuple[int, int, int, int] | None
     return tuple(int(e.value) for e in extents)
 
 
+def _tvm_cuda_intrinsics():
+    """TVM's module of CUDA tensor intrinsics, imported here, where a tensor-core GEMM needs it.
+
+    The module parses every CUDA tensor intrinsic TVM has with TVMScript when it is imported, and
+    TVMScript's ``prim_func`` calls ``inspect.stack()``, which looks up each frame's module. The
+    import machinery's own frames (``<frozen importlib._bootstrap>``) are no file, so CPython's
+    ``inspect.getmodule`` scans all of ``sys.modules`` for each of them, every time: with torch
+    loaded that made the import take 57 s on this project's machine (146 s under pytest's deeper
+    stack). Entering those two frozen modules in ``inspect``'s file-to-module cache, which is what
+    the scan would conclude, takes it to about 8 s."""
+    for name in ("importlib._bootstrap", "importlib._bootstrap_external"):
+        inspect.modulesbyfile.setdefault(f"<frozen {name}>", name)
+    from tvm.s_tir.tensor_intrin import cuda
+
+    return cuda
+
+
 @functools.cache
 def wmma_intrinsics(operand_dtype: str) -> dict[str, str]:
     """The names of TVM's wmma intrinsics this schedule tensorizes with, for operands of
@@ -134,9 +152,7 @@ def wmma_intrinsics(operand_dtype: str) -> dict[str, str]:
     others' are registered here, on first use, from TVM's generators, under the names TVM's scheme
     gives them: ``bf16`` for ``f16``, and for float32 operands (TF32) the m16n16k8 shape, ``tf32``
     operands and their own float32 fill and store (an accumulator fragment's shape is its type)."""
-    # imported here, where a tensor-core GEMM needs it: the module registers every CUDA tensor
-    # intrinsic TVM has when it is imported, which takes about 18 s on this project's machine
-    from tvm.s_tir.tensor_intrin import cuda
+    cuda = _tvm_cuda_intrinsics()
 
     group = cuda.get_wmma_intrin_group(load_scope="shared.dyn", store_scope="shared.dyn", in_dtype="float16",
                                        out_dtype="float32", trans_b=True)
