@@ -10,7 +10,8 @@
 #
 #   bash scripts/gpu_run.sh BUNDLES OUT [SECONDS]
 #
-# runs, within about SECONDS (default 480): pytest -m gpu; every bundle's outputs against
+# runs, within about SECONDS (default 480): pytest -m gpu (without the default options: the GPU
+# machine has no pytest-xdist); every bundle's outputs against
 # PyTorch's, poisoned first, and its CUDA-event times; compute-sanitizer racecheck and synccheck
 # on the tiny O3 and O4 kernels; the paper O4 kernels' timelines (the stages between grid
 # barriers, timed) and ncu's DRAM bytes and launches; PyTorch eager, CUDA graphs, torch.compile
@@ -39,7 +40,7 @@ echo "commit ${SOUFFLE_COMMIT:-unknown}; $($python -c 'import torch; print("torc
 echo "tools: $(command -v nvcc ncu compute-sanitizer | tr '\n' ' ')"
 
 echo "== pytest -m gpu ($(left) s left)"
-SOUFFLE_GPU_ARTIFACTS=$bundles timeout 90 $python -m pytest -m gpu -q -p no:cacheprovider \
+SOUFFLE_GPU_ARTIFACTS=$bundles timeout 90 $python -m pytest -o addopts= -m gpu -q -p no:cacheprovider \
     tests/test_runtime_cuda.py tests/test_gpu.py 2>&1 | tail -40
 
 if [ -d "$bundles/barrier" ]; then
