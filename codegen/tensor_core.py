@@ -107,7 +107,8 @@ TILES = (TensorCoreTile(2, 4, 4, 2), TensorCoreTile(2, 4, 2, 2), TensorCoreTile(
 TF32_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"]) for tile in TILES)
 # Tiles one or two fragments wide, for a GEMM of at most ``NARROW_COLUMNS`` columns (a grouped
 # convolution's group: paper ResNeXt's 16 or 32 output channels), which the tiles above would
-# leave three quarters empty. Three fragments of terms a chunk: a 3 x 3 window over 16 input
+# leave three quarters empty, and for a wider GEMM that no tile above fills to half (paper
+# EfficientNet's projection to 80 channels at 14 x 14: 196 x 80 in 256 x 128 padded). Three fragments of terms a chunk: a 3 x 3 window over 16 input
 # channels is 144 terms, three whole chunks. Not pipelined: a grouped convolution's input slice is
 # gathered (``codegen.schedule.gathered_operands``), an index and a condition per element, and
 # holding a thread's 24 elements of the next chunk took ptxas to 255 registers and a spill (paper
@@ -220,12 +221,13 @@ def _whole(extent: int, tile: int) -> int:
 
 
 def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int,
-                         min_use: float = 0.0) -> s_tir.Schedule | None:
+                         min_use: float = 0.0, wide_min_use: float = 0.0) -> s_tir.Schedule | None:
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
     without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
     ``threads`` threads, padded to whole tiles, or None where it does not fit: other dtypes, not
     GEMM-shaped, columns or terms not whole vectors, a tile of other than ``threads / 32`` warps,
-    or one whose padded tiles the GEMM's outputs would fill less than ``min_use`` of. Its tiles
+    or one whose padded tiles the GEMM's outputs would fill less than ``min_use`` of, or a narrow
+    tile for a GEMM wider than ``NARROW_COLUMNS`` that a wide tile fills to ``wide_min_use``. Its tiles
     are bound to ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them. An operand
     computed under a condition (``codegen.schedule.gathered_operands``) is copied element-wise."""
     if tile.warps * WARP != threads:
@@ -259,8 +261,10 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     if extents is None:
         return None
     _, rows, columns, depth = extents
-    if tile.columns <= NARROW_COLUMNS < columns:
-        return None  # a narrow tile is for a narrow GEMM; a wider one takes the wide tiles
+    if tile.columns <= NARROW_COLUMNS < columns and \
+            any(rows * columns >= wide_min_use * _whole(rows, wide.rows) * _whole(columns, wide.columns)
+                for wide in TILES):
+        return None  # a narrow tile is for a GEMM that no wide tile fills to ``wide_min_use``
     if rows * columns < min_use * _whole(rows, tile.rows) * _whole(columns, tile.columns):
         return None
     if columns % VECTOR or depth % VECTOR:

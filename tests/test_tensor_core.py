@@ -24,7 +24,7 @@ from analysis.threads import WARP_COLLECTIVE
 from analysis.device import H100
 from codegen.latency import latency_estimate
 from codegen.schedule import matmul_stage, tensor_core_stages
-from codegen.tensor_core import TILES
+from codegen.tensor_core import NARROW_TILES, TILES
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
@@ -78,6 +78,16 @@ def test_tensor_cores_are_not_used_where_they_do_not_fit():
         [(TILES[1], (40, 128)), (TILES[2], (40, 64))]
     assert tensor_core_stages(_dense(16, 64, 64)) == []  # fewer outputs than one SIMT tile
     assert matmul_stage(_dense(256, 256, 128)) is not None  # the SIMT form stays a candidate
+
+
+def test_a_gemm_that_no_wide_tile_fills_half_takes_the_narrow_tiles():
+    """Paper EfficientNet's projection of 480 channels to 80 at 14 x 14 (196 x 80 x 480): every
+    wide tile would be under half used (196 x 80 of 256 x 128 padded), the narrow ones are 77%
+    and 64% used. 112 columns fill the wide tiles to two thirds: no narrow tile then."""
+    stages = tensor_core_stages(_dense(196, 80, 480))
+    assert [s.tensor_core_tile for _, s in stages] == list(NARROW_TILES)
+    assert [s.n_tiles for _, s in stages] == [2 * 5, 4 * 3]
+    assert [s.tensor_core_tile for _, s in tensor_core_stages(_dense(196, 112, 480))] == list(TILES)
 
 
 def test_a_gemm_of_partial_tiles_is_padded_and_only_its_own_elements_are_written():
@@ -180,8 +190,10 @@ def test_a_wmma_operation_on_half_a_warp_is_caught():
 @needs_gxx
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
 @pytest.mark.parametrize("precision", NARROW)
-# each tile first; 5 chunks: 3 in the pipeline's loop; rows, columns and terms padded
-@pytest.mark.parametrize("m, n, k", [(128, 128, 320), (64, 256, 128), (256, 192, 128), (100, 132, 72)])
+# each tile first; 5 chunks: 3 in the pipeline's loop; rows, columns and terms padded; a narrow
+# tile on a GEMM the wide ones would leave over half empty (rows and columns padded, 2 chunks)
+@pytest.mark.parametrize("m, n, k", [(128, 128, 320), (64, 256, 128), (256, 192, 128), (100, 132, 72),
+                                     (196, 80, 96)])
 def test_tensor_core_stages_match_numpy_on_emulated_threads(m, n, k, precision):
     graph, inputs, expected = _relu_dense(m, n, k, NARROW[precision])
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
