@@ -677,8 +677,7 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
         min_use = NARROW_MIN_USE if tile.columns <= NARROW_COLUMNS else MATMUL_MIN_USE
         scheduled = tensor_core_schedule(func, tile, threads, min_use, MATMUL_MIN_USE)
         stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads, tile.pipelined)
-        # a padded tile's box is what it writes; its warps work on the whole tile
-        if stage is not None and stage[1].outputs >= min_use * stage[1].n_tiles * tile.rows * tile.columns:
+        if stage is not None:
             found.append((stage[0], dataclasses.replace(stage[1], tensor_core_tile=tile)))
     return found
 

@@ -23,8 +23,8 @@ import souffle
 from analysis.threads import WARP_COLLECTIVE
 from analysis.device import H100
 from codegen.latency import latency_estimate
-from codegen.schedule import matmul_stage, tensor_core_stages
-from codegen.tensor_core import NARROW_TILES, TILES
+from codegen.schedule import MATMUL_MIN_USE, NARROW_MIN_USE, matmul_stage, tensor_core_stages
+from codegen.tensor_core import NARROW_COLUMNS, NARROW_TILES, TILES
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
@@ -88,6 +88,20 @@ def test_a_gemm_that_no_wide_tile_fills_half_takes_the_narrow_tiles():
     assert [s.tensor_core_tile for _, s in stages] == list(NARROW_TILES)
     assert [s.n_tiles for _, s in stages] == [2 * 5, 4 * 3]
     assert [s.tensor_core_tile for _, s in tensor_core_stages(_dense(196, 112, 480))] == list(TILES)
+
+
+def test_every_candidate_fills_its_padded_tiles_to_the_minimum():
+    """A tile's fill is checked once, before scheduling (``tensor_core_schedule``'s ``min_use``,
+    on the GEMM's rows and columns); the stitched stage's outputs over its tiles' area (a padded
+    tile's warps work on the whole tile) keep to it, rows, columns or both padded."""
+    for m, n, k in [(40, 256, 64), (100, 132, 72), (196, 80, 96), (256, 48, 64)]:
+        stages = tensor_core_stages(_dense(m, n, k))
+        assert stages, (m, n, k)
+        for _, schedule in stages:
+            tile = schedule.tensor_core_tile
+            minimum = NARROW_MIN_USE if tile.columns <= NARROW_COLUMNS else MATMUL_MIN_USE
+            assert schedule.outputs == m * n
+            assert schedule.outputs >= minimum * schedule.n_tiles * tile.rows * tile.columns, (m, n, k, str(tile))
 
 
 def test_a_gemm_of_partial_tiles_is_padded_and_only_its_own_elements_are_written():
