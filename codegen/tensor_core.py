@@ -108,11 +108,12 @@ TF32_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"]) f
 # Tiles one or two fragments wide, for a GEMM of at most ``NARROW_COLUMNS`` columns (a grouped
 # convolution's group: paper ResNeXt's 16 or 32 output channels), which the tiles above would
 # leave three quarters empty, and for a wider GEMM that no tile above fills to half (paper
-# EfficientNet's projection to 80 channels at 14 x 14: 196 x 80 in 256 x 128 padded). Three fragments of terms a chunk: a 3 x 3 window over 16 input
-# channels is 144 terms, three whole chunks. Not pipelined: a grouped convolution's input slice is
-# gathered (``codegen.schedule.gathered_operands``), an index and a condition per element, and
-# holding a thread's 24 elements of the next chunk took ptxas to 255 registers and a spill (paper
-# ResNeXt at fp16, sm_90), where the unpipelined tile takes 80.
+# EfficientNet's projection to 80 channels at 14 x 14: 196 x 80 in 256 x 128 padded). Three
+# fragments of terms a chunk: a 3 x 3 window over 16 input channels is 144 terms, three whole
+# chunks. Not pipelined: a grouped convolution's input slice is gathered
+# (``codegen.schedule.gathered_operands``), an index and a condition per element, and holding a
+# thread's 24 elements of the next chunk took ptxas to 255 registers and a spill (paper ResNeXt
+# at fp16, sm_90), where the unpipelined tile takes 80.
 NARROW_COLUMNS = 32
 NARROW_TILES = (TensorCoreTile(8, 1, 1, 1, k_fragments=3, pipelined=False),
                 TensorCoreTile(4, 2, 1, 1, k_fragments=3, pipelined=False))
@@ -227,8 +228,8 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     ``threads`` threads, padded to whole tiles, or None where it does not fit: other dtypes, not
     GEMM-shaped, columns or terms not whole vectors, a tile of other than ``threads / 32`` warps,
     or one whose padded tiles the GEMM's outputs would fill less than ``min_use`` of, or a narrow
-    tile for a GEMM wider than ``NARROW_COLUMNS`` that a wide tile fills to ``wide_min_use``. Its tiles
-    are bound to ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them. An operand
+    tile for a GEMM wider than ``NARROW_COLUMNS`` that a wide tile fills to ``wide_min_use``. Its
+    tiles are bound to ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them. An operand
     computed under a condition (``codegen.schedule.gathered_operands``) is copied element-wise."""
     if tile.warps * WARP != threads:
         return None
