@@ -63,7 +63,7 @@ from analysis.affine import Rewriter, recompute, row_major
 from analysis.characterize import same_elements_axis
 from analysis.dependence import TENSOR_LOAD, IslWriter, NotAffine, is_call_to, tensor_loads
 from codegen.stitch import align
-from codegen.tensor_core import (NARROW_COLUMNS, NARROW_TILES, TF32_NARROW_TILES, TF32_TILES, TILES, TensorCoreTile,
+from codegen.tensor_core import (NARROW_TILES, TF32_NARROW_TILES, TF32_TILES, TILES, TensorCoreTile,
                                  pipeline_chunks, selects, tensor_core_schedule)
 from souffle.errors import SouffleError
 
@@ -674,7 +674,7 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
         return []  # (an operand read under a condition is no bar: its copy is element-wise)
     found = []
     for tile in TILES + NARROW_TILES + (TF32_TILES + TF32_NARROW_TILES if tf32 else ()):
-        min_use = NARROW_MIN_USE if tile.columns <= NARROW_COLUMNS else MATMUL_MIN_USE
+        min_use = NARROW_MIN_USE if tile.narrow else MATMUL_MIN_USE
         scheduled = tensor_core_schedule(func, tile, threads, min_use, MATMUL_MIN_USE)
         stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads, tile.pipelined)
         if stage is not None:

@@ -94,6 +94,11 @@ class TensorCoreTile:
     def warps(self) -> int:
         return self.warps_i * self.warps_j
 
+    @property
+    def narrow(self) -> bool:
+        """One of ``NARROW_TILES``' shapes: at most ``NARROW_COLUMNS`` columns."""
+        return self.columns <= NARROW_COLUMNS
+
     def __str__(self):
         return f"{self.rows}x{self.columns}x{self.depth} ({self.warps_i}x{self.warps_j} warps of " \
                f"{self.fragments_i}x{self.fragments_j} fragments{', pipelined' if self.pipelined else ''})"
@@ -221,6 +226,11 @@ def _whole(extent: int, tile: int) -> int:
     return -(-extent // tile) * tile
 
 
+def _fills(rows: int, columns: int, tile: TensorCoreTile, share: float) -> bool:
+    """Whether a ``rows x columns`` GEMM fills at least ``share`` of its padded ``tile``s."""
+    return rows * columns >= share * _whole(rows, tile.rows) * _whole(columns, tile.columns)
+
+
 def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int,
                          min_use: float = 0.0, wide_min_use: float = 0.0) -> s_tir.Schedule | None:
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
@@ -262,11 +272,9 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     if extents is None:
         return None
     _, rows, columns, depth = extents
-    if tile.columns <= NARROW_COLUMNS < columns and \
-            any(rows * columns >= wide_min_use * _whole(rows, wide.rows) * _whole(columns, wide.columns)
-                for wide in TILES):
+    if tile.narrow and columns > NARROW_COLUMNS and any(_fills(rows, columns, wide, wide_min_use) for wide in TILES):
         return None  # a narrow tile is for a GEMM that no wide tile fills to ``wide_min_use``
-    if rows * columns < min_use * _whole(rows, tile.rows) * _whole(columns, tile.columns):
+    if not _fills(rows, columns, tile, min_use):
         return None
     if columns % VECTOR or depth % VECTOR:
         return None  # a padded vector would be read or stored in part: the condition must hold for all of it

@@ -24,7 +24,7 @@ from analysis.threads import WARP_COLLECTIVE
 from analysis.device import H100
 from codegen.latency import latency_estimate
 from codegen.schedule import MATMUL_MIN_USE, NARROW_MIN_USE, matmul_stage, tensor_core_stages
-from codegen.tensor_core import NARROW_COLUMNS, NARROW_TILES, TILES
+from codegen.tensor_core import NARROW_TILES, TILES
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
@@ -99,7 +99,7 @@ def test_every_candidate_fills_its_padded_tiles_to_the_minimum():
         assert stages, (m, n, k)
         for _, schedule in stages:
             tile = schedule.tensor_core_tile
-            minimum = NARROW_MIN_USE if tile.columns <= NARROW_COLUMNS else MATMUL_MIN_USE
+            minimum = NARROW_MIN_USE if tile.narrow else MATMUL_MIN_USE
             assert schedule.outputs == m * n
             assert schedule.outputs >= minimum * schedule.n_tiles * tile.rows * tile.columns, (m, n, k, str(tile))
 
