@@ -97,8 +97,11 @@ def _occupancy_model() -> list:
 
 VARIANTS = {
     "no-on-chip": Variant(
-        "O4 without keep_weights_on_chip: paper LSTM's O3 (1.20 ms, 6 blocks/SM) beat its O4 (1.49 ms, "
-        "1 block/SM, weights in shared memory) on the H200; is it the on-chip weights?",
+        "O4 without keep_weights_on_chip. Placed for a grid of 1 block/SM, paper LSTM's weights cost blocks "
+        "(O4 1.51 ms at 1 block/SM against 1.00 ms in global memory at 6 on the H100) and stayed in global "
+        "memory, read from L2 at each of the 109 steps; placed for the grid of the kernel's residency they "
+        "are 3 slices of 16 KB a block at 4 blocks/SM (fp32; 5 at fp16): does reading them from shared "
+        "memory pay for the block per SM fp32 gives up (5 -> 4)?",
         _without_on_chip_weights),
     "two-blocks": Variant(
         "__launch_bounds__(threads, 2): ptxas holds the kernel to 128 registers so that 2 blocks fit per SM "

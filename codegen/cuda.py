@@ -378,19 +378,33 @@ def cuda_compile(source: CudaSource, device: DeviceModel) -> Outcome:
     FFN2 split over K got 80 registers (3 blocks/SM) and spilled 32 B, where
     ``__launch_bounds__(256, 2)`` gives it 128 and none. A kernel that spills is built again,
     bounded to one block per SM fewer each time, until it does not spill or one block is left;
-    the first bound without spills is kept, and a note says so. Otherwise ptxas' choice stays."""
+    the first bound without spills is kept, and a note says so. Otherwise ptxas' choice stays.
+
+    A kernel whose on-chip weights need a grid (``Launch.min_grid``) of more blocks per SM than
+    ptxas' registers leave is bounded to those blocks per SM (``codegen.on_chip`` placed the
+    weights for them), and is never bounded below them to save a spill."""
     names = tuple(source.plan.kernel_names)
     launches = _launches_by_kernel(source.plan)
+    threads = source.plan.staged.threads
     text, notes = source.text, []
     cubin, resources = compile_cubin(text, device.arch, names)
     for name in names:
-        used = resources[name]
+        needed = -(-launches[name].min_grid // device.sms)
         try:
-            blocks = _occupancy(used, launches[name], device, source.plan.staged.threads).blocks_per_sm
+            blocks = _occupancy(resources[name], launches[name], device, threads).blocks_per_sm
         except TargetError:
             continue  # check_co_residency refuses it, with the reason
-        for bound in range(blocks - 1, 0, -1) if used.spill_bytes else ():
-            bounded = _launch_bounds(text, name, source.plan.staged.threads, bound)
+        if blocks < needed:
+            bounded = _launch_bounds(text, name, threads, needed)
+            bounded_cubin, bounded_resources = compile_cubin(bounded, device.arch, names)
+            notes.append(f"{name}: its on-chip weights need {launches[name].min_grid} blocks ({needed} blocks/SM), "
+                         f"ptxas took {resources[name].registers} registers ({blocks} blocks/SM); bounded to "
+                         f"{needed} blocks/SM: {bounded_resources[name].registers} registers, "
+                         f"{bounded_resources[name].spill_bytes} B spilled")
+            text, cubin, resources, blocks = bounded, bounded_cubin, bounded_resources, needed
+        used = resources[name]
+        for bound in range(blocks - 1, needed - 1, -1) if used.spill_bytes else ():
+            bounded = _launch_bounds(text, name, threads, bound)
             bounded_cubin, bounded_resources = compile_cubin(bounded, device.arch, names)
             if not bounded_resources[name].spill_bytes:
                 notes.append(f"{name}: ptxas spilled {used.spill_bytes} B at {used.registers} registers "

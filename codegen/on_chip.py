@@ -11,6 +11,14 @@ was slower on both GPUs that ran it: paper LSTM fp32 took 1.51 ms on an H100 wit
 shared memory at 1 block/SM against 1.00 ms with them in global memory at 6 blocks/SM
 (benchmarks/results/gpu_h100.md), and 1.49 against 1.20 ms on an H200 (gpu_h200.md); tiny LSTM,
 whose weights fit without losing a block, was faster on chip (33 against 37 us on the H100).
+
+The slices are placed for the grid of that residency (its blocks per SM on every SM, or one
+block per tile of the kernel's widest stage where that is fewer), so that a block keeps the
+slices of the tiles it runs at that grid, not of those it would run at one block per SM: paper
+LSTM's 1280 tiles of 16 KB are 3 slices a block at 4 blocks/SM on an H100 (48 KB), where at
+132 blocks they were 10 (160 KB) and never fit. The launch then needs that grid
+(``OnChip.min_grid``): ``codegen.cuda.cuda_compile`` holds ptxas to its blocks per SM with
+``__launch_bounds__`` where ptxas would leave fewer.
 """
 
 from __future__ import annotations
@@ -49,14 +57,15 @@ def tile_slice(stage: Stage, read: int) -> int | None:
 def keep_weights_on_chip(staged: StagedProgram, device) -> Outcome:
     """``staged`` with the weight slices its loops' stages read loaded into each block's shared
     memory before the loop, where every tile reads its own contiguous slice and the device's
-    shared memory per block holds them at the smallest grid the kernel may run with (one block
-    per SM, or one per tile when there are fewer tiles) without lowering the kernel's blocks per
-    SM; one note per weight, kept or not. Loops that launch kernels from the host are left alone."""
+    shared memory per block holds them at the grid of the kernel's residency (the blocks per SM
+    its registers and threads allow on every SM, or one block per tile where there are fewer
+    tiles) without lowering that residency; one note per weight, kept or not. Loops that launch
+    kernels from the host are left alone."""
     items = copy_items(staged.items)
     placing = _Placement(staged, device)
     for kernel in _kernels(items):
-        placing.residency(stages_in(kernel), staged.threads)
-        min_grid = min(device.sms, max(s.schedule.n_tiles for s in stages_in(kernel)))
+        blocks = placing.residency(stages_in(kernel), staged.threads)
+        min_grid = min(blocks * device.sms, max(s.schedule.n_tiles for s in stages_in(kernel)))
         for loop in [item for item in loops_in(kernel) if not item.on_host]:
             placing.loop(loop, min_grid)
     return Outcome(staged.with_items(items), placing.notes)
@@ -89,15 +98,16 @@ class _Placement:
     def budget(self) -> int:
         return self.capacity - self.placed
 
-    def residency(self, stages: list[Stage], threads: int):
-        """Cap the weights' shared memory at what keeps the blocks per SM that ``stages`` (one
-        kernel's) get from their registers (``stage_registers``, a floor) and threads."""
+    def residency(self, stages: list[Stage], threads: int) -> int:
+        """The blocks per SM that ``stages`` (one kernel's) get from their registers
+        (``stage_registers``) and threads; the weights' shared memory capped at what keeps them."""
         registers = max(stage_registers(s) for s in stages)
         blocks = co_resident_grid(registers, self.stage_shared, self.device, threads).blocks_per_sm
         keeps = self.device.smem_per_sm // blocks - SHARED_RESERVED_PER_BLOCK - self.stage_shared
         if keeps < self.capacity:
             self.capacity = max(keeps, 0)
             self.limit = f"shared memory per block that keeps {blocks} blocks/SM on {self.device.name}"
+        return blocks
 
     def loop(self, loop: Loop, min_grid: int):
         for stage in stages_in(loop.items):

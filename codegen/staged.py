@@ -39,7 +39,7 @@ class OnChip:
     n_tiles: int  # the stage's tiles
     per_tile: int  # elements of the weight per tile
     slots: int  # tiles per block at the smallest grid the kernel is launched with
-    min_grid: int  # that smallest grid: one block per SM, or one per tile of the kernel's widest stage
+    min_grid: int  # that grid: the kernel's residency on every SM, or one block per tile of its widest stage
     offset: int = 0  # where the block's copy starts in the on-chip memory of its dtype (elements)
 
     @property

@@ -26,13 +26,15 @@ export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir"
 "${export[@]}" --configs tiny --levels 4 --precisions tf32 --models bert mmoe
 "${export[@]}" --configs paper --levels 4 --precisions tf32 --models bert resnext
 # compiler variants (benchmarks/gpu_variants.py), each timed beside its base: what the last GPU run
-# asked (no-on-chip, two-blocks and occupancy were timed on the H100: benchmarks/results/gpu_h100.md)
+# asked (two-blocks and occupancy were timed on the H100: benchmarks/results/gpu_h100.md; no-on-chip
+# too, when the weights were placed for one block per SM)
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models bert swin resnext --variant no-split-k
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models bert resnext --variant split-k-256
 "${export[@]}" --configs paper --levels 4 --precisions fp32 --models bert resnext swin --variant k-chunk-32
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert swin --variant tc-depth-128
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models bert swin resnext --variant no-pipeline
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models lstm --variant two-rows-per-warp
+"${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models lstm --variant no-on-chip
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert swin --variant two-rows-per-warp
 "${export[@]}" --configs paper --levels 0 1 2 --models lstm bert resnext mmoe
 # the slowest to build come last, nvcc's cache or not: EfficientNet's and Swin's O0-O2 (hundreds of

@@ -207,36 +207,62 @@ def test_unfused_levels_launch_loop_bodies_from_the_host():
     assert sum(1 for launch in launches if isinstance(launch, Launch)) + len(loops[0].body) < staged.kernel_count()
 
 
-def test_paper_lstm_keeps_its_weights_in_global_memory_where_on_chip_would_cost_blocks_per_sm():
-    """On chip, paper LSTM's weights (10 slices of 16 KB per block at 132 blocks) would leave
-    1 block/SM where its registers allow 4: measured slower on the H100 and the H200
-    (codegen/on_chip.py), so they stay in global memory; tiny LSTM's fit without the loss."""
+def test_paper_lstm_keeps_its_weights_on_chip_at_the_grid_of_its_residency():
+    """Paper LSTM's registers allow 4 blocks/SM: at that grid (528 blocks on an H200) a block runs
+    3 of the wavefront step's 1280 tiles, whose weight slices (48 KB) fit in the shared memory that
+    keeps 4 blocks/SM, so the weights are read once per inference, not once per step. ptxas is held
+    to that grid; on an A100 (164 KB of shared memory per SM: 40 KB a block at 4 blocks/SM) they
+    stay in global memory; tiny LSTM's fit too."""
     from codegen.traffic import memory_traffic
 
     graph = models.build("lstm", "paper")
-    h200 = run_passes(graph, "cuda", stop="plan_arena", device="h200")
+    h200 = run_passes(graph, "cuda", stop="co_residency", device="h200")
     assert h200.notes("on chip")[0] == (
-        "weight (read by wavefront_step_r0/gate_product+state_next in loop wavefront) stays in global memory: "
-        "10 tiles per block x 16384 B = 163840 B > 57312 B, the shared memory per block that keeps 4 blocks/SM on h200")
+        "weight (read by wavefront_step_r0/gate_product+state_next in loop wavefront) on chip: 3 tiles per block x "
+        "4096 elements, 49152 B of shared memory per block at 528 blocks or more, loaded once per inference")
+    assert h200.ir.plan.min_grids() == {"main_kernel": 528}
+    assert h200.ir.occupancy["main_kernel"].grid >= 528
+    staged = run_passes(graph, "cuda", stop="plan_arena", device="h200").ir
     # one per wavefront step (the first orders the loop after the stage before it) and one after the loop
-    assert h200.ir.barrier_count(executed=True) == 109 + 1
+    assert staged.barrier_count(executed=True) == 109 + 1
     weights = sum(v.nbytes for v in graph.weights.values())
-    assert memory_traffic(h200.ir).read_bytes > 100 * weights  # every step reads the weights again
+    assert memory_traffic(staged).read_bytes < 3 * weights  # the weights once; the states and inputs each step
     a100 = run_passes(graph, "cuda", stop="plan_arena", device="a100")
-    assert "stays in global memory: 12 tiles per block x 16384 B = 196608 B >" in a100.notes("on chip")[0]
+    assert "stays in global memory: 3 tiles per block x 16384 B = 49152 B > 40928 B" in a100.notes("on chip")[0]
     tiny = run_passes(models.build("lstm", "tiny"), "cuda", stop="plan_arena", device="h200")
     assert " on chip: 1 tiles per block x 256 elements, 1024 B " in tiny.notes("on chip")[0]
 
 
-def test_without_the_residency_cap_paper_lstm_would_take_one_block_per_sm_of_shared_memory(monkeypatch):
-    """The mutant: with the cap removed, the weights go on chip and their 160 KB per block
-    leave 1 block/SM, which is what the cap exists to refuse."""
+def test_placed_for_one_block_per_sm_paper_lstm_weights_would_not_fit(monkeypatch):
+    """The mutant: slices placed for a grid of one block per SM (132 on an H200), as before the
+    placement followed the residency, are 10 a block (160 KB) and refused: the weights stay in
+    global memory, read again at every one of the 109 steps."""
     from codegen import on_chip
 
-    monkeypatch.setattr(on_chip._Placement, "residency", lambda self, stages, threads: None)
+    residency = on_chip._Placement.residency
+    monkeypatch.setattr(on_chip._Placement, "residency", lambda self, stages, threads: residency(self, stages, threads)
+                        and 1)
     h200 = run_passes(models.build("lstm", "paper"), "cuda", stop="plan_arena", device="h200")
-    assert " on chip: 10 tiles per block x 4096 elements, 163840 B" in h200.notes("on chip")[0]
-    assert co_resident_grid(32, 163840 + 320, get_device("h200"), 256).blocks_per_sm == 1
+    assert "stays in global memory: 10 tiles per block x 16384 B = 163840 B > 57312 B, the shared memory per " \
+           "block that keeps 4 blocks/SM on h200" in h200.notes("on chip")[0]
+
+
+def test_a_kernel_whose_on_chip_weights_need_more_blocks_than_ptxas_leaves_is_bounded_to_them(monkeypatch):
+    """ptxas gives tiny LSTM's kernel 48 registers (5 blocks/SM of 256 threads); asked for a grid of
+    6 blocks per SM, ``cuda_compile`` holds it to 40 registers with ``__launch_bounds__``, and
+    says so."""
+    from codegen import cuda
+
+    device = get_device("h100")
+    source = run_passes(models.build("lstm", "tiny"), "cuda", stop="validate_threads", device="h100").ir
+    launches = cuda._launches_by_kernel(source.plan)
+    monkeypatch.setattr(cuda, "_launches_by_kernel", lambda plan: {
+        name: dataclasses.replace(launch, min_grid=6 * device.sms) for name, launch in launches.items()})
+    outcome = cuda.cuda_compile(source, device)
+    (note,) = outcome.notes
+    assert note.startswith(f"main_kernel: its on-chip weights need {6 * device.sms} blocks (6 blocks/SM), ptxas took ")
+    assert "__launch_bounds__(256, 6)" in outcome.ir.source.text
+    assert co_resident_grid(outcome.ir.resources["main_kernel"].registers, 0, device, 256).blocks_per_sm >= 6
 
 
 def test_launcher_runs_host_loops_and_passes_their_counters():
