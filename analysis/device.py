@@ -50,6 +50,9 @@ class DeviceModel:
     vector_lanes: int = 1  # fp32 lanes of the vectors the CPU schedules fill (1: a GPU's scalar threads)
     clock_hz: float = 0.0  # the clock at which ``peak_flops`` is reached (a GPU's boost clock)
     l2_bandwidth: float = 0.0  # bytes/s between the SMs and L2 (GPUs; ``analysis.latency`` reads it)
+    # a grid barrier (GPUs): this much, plus ``grid_sync_seconds_per_block`` for each block of the grid
+    grid_sync_base_seconds: float = 0.0
+    grid_sync_seconds_per_block: float = 0.0
 
     @property
     def fp32_lanes_per_sm(self) -> int:
@@ -66,6 +69,10 @@ class DeviceModel:
             raise ValueError(f"device {self.name!r} has no peak throughput for dtype {str(dtype)!r} "
                              f"(known: {known})") from None
 
+    def grid_sync_seconds(self, blocks: int) -> float:
+        """One cooperative-groups grid barrier (``grid.sync()``) of a grid of ``blocks`` blocks."""
+        return self.grid_sync_base_seconds + blocks * self.grid_sync_seconds_per_block
+
     def ridge_point(self, dtype) -> float:
         """Arithmetic intensity (FLOP per byte) above which a kernel in ``dtype`` is compute-bound."""
         return self.peak(dtype) / self.mem_bandwidth
@@ -81,6 +88,15 @@ KERNEL_LAUNCH_SECONDS = 3e-6
 # NVIDIA publishes no such figure for GH100; the H100 and H200 models take the same 5,120 bytes per
 # clock at their 1.98 GHz boost clock (10.1 TB/s), an assumption to correct once GPU timings exist.
 L2_BYTES_PER_CLOCK = 5120
+
+# A cooperative-groups grid barrier (``grid.sync()``), timed alone on an H100 80GB HBM3 with 1 to 8
+# blocks of 256 threads per SM (``benchmarks/gpu_barrier.py``, CUDA events, 1000 barriers a launch;
+# ``benchmarks/results/gpu_h100_3_runs/run1_gpu_barrier.json``): 1.12 us at 132 blocks, 1.29 at 264,
+# 1.65 at 528, 1.77 at 660 and 2.25 at 1056. The least-squares line through them, 0.97 us + 1.22 ns
+# per block, is within 0.04 us of each. The H200 (the same die) takes the H100's line; so does the
+# A100, which no run has timed: an assumption.
+GRID_SYNC_BASE_SECONDS = 0.97e-6
+GRID_SYNC_SECONDS_PER_BLOCK = 1.22e-9
 
 # NVIDIA H100 SXM5 80GB (GH100, compute capability 9.0). H100 datasheet: 3.35 TB/s HBM3, FP32 67 TFLOP/s,
 # FP16 and BF16 tensor core 1,979 TFLOP/s each with 2:4 sparsity, i.e. 989.5 dense; TF32 tensor core 989
@@ -107,6 +123,8 @@ H100 = DeviceModel(
     launch_seconds=KERNEL_LAUNCH_SECONDS,
     clock_hz=1.98e9,
     l2_bandwidth=L2_BYTES_PER_CLOCK * 1.98e9,
+    grid_sync_base_seconds=GRID_SYNC_BASE_SECONDS,
+    grid_sync_seconds_per_block=GRID_SYNC_SECONDS_PER_BLOCK,
 )
 
 # NVIDIA H200 SXM (GH100, compute capability 9.0). H200 datasheet: 4.8 TB/s HBM3e, FP32 67 TFLOP/s,
@@ -142,6 +160,8 @@ A100 = DeviceModel(
     launch_seconds=KERNEL_LAUNCH_SECONDS,
     clock_hz=1.41e9,
     l2_bandwidth=L2_BYTES_PER_CLOCK * 1.41e9,
+    grid_sync_base_seconds=GRID_SYNC_BASE_SECONDS,
+    grid_sync_seconds_per_block=GRID_SYNC_SECONDS_PER_BLOCK,
 )
 
 _GPUS = {"h200": H200, "h100": H100, "a100": A100}

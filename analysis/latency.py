@@ -35,8 +35,8 @@ the GPU that share of L2 and DRAM (one block of 8 warps per SM, the LSTM's with 
 chip: a quarter at 32).
 
 Which of them is the largest is the stage's ``bound``. The whole model adds every stage's time
-times its executions (scan bodies run once per trip), ``GRID_SYNC_SECONDS`` per grid barrier
-executed and ``DeviceModel.launch_seconds`` per kernel launched. Its roofline bound is
+times its executions (scan bodies run once per trip), ``DeviceModel.grid_sync_seconds`` per grid
+barrier executed (measured on an H100: it grows with the grid's blocks) and ``DeviceModel.launch_seconds`` per kernel launched. Its roofline bound is
 ``max(FLOPs at peak, compulsory bytes at DRAM bandwidth)``: no schedule beats it. A stage's
 ``fraction_of_peak`` is its FLOPs over its time at the peak of its dtype (the FMA peak for
 float32, the tensor-core peak for float16 and bfloat16, and for float32 operands multiplied in TF32
@@ -78,12 +78,6 @@ BLOCK_BARRIER_CYCLES = 30  # a __syncthreads once every warp has arrived (an ass
 # the schedules it picks (the `occupancy` variant, gpu_h100.md) ran from 0.85x (paper BERT fp16)
 # to 1.28x (Swin fp16) the default's: it stays off while it slows BERT fp16, the model with a goal.
 WARPS_TO_SATURATE: int | None = None
-# A cooperative-groups grid barrier: every block's arrival on a global counter and a spin on it, a
-# few L2 round trips plus the wait for the slowest block. 2 us is an assumption, not a measurement
-# (Zhang et al., "A Study of Single and Multi-device Synchronization Methods in Nvidia GPUs",
-# IPDPS 2020, measure grid.sync on V100 and P100; none of these GPUs has been timed here): the
-# first figure to correct from GPU timings.
-GRID_SYNC_SECONDS = 2e-6
 TENSOR_CORES_PER_SM = 4  # one per SM sub-partition (A100 and H100 architecture whitepapers)
 GOAL_FRACTION = 0.4  # the goal: GEMM-shaped stages at 40% or more of their dtype's peak
 
@@ -221,8 +215,13 @@ class LatencyEstimate:
         return sum(s.total_seconds for s in self.stages)
 
     @property
+    def barrier_grid(self) -> int:
+        """The blocks a grid barrier waits for: the widest kernel's grid (every stage's, for one kernel)."""
+        return max((s.work.grid for s in self.stages), default=1)
+
+    @property
     def barrier_seconds(self) -> float:
-        return self.grid_barriers * GRID_SYNC_SECONDS
+        return self.grid_barriers * self.device.grid_sync_seconds(self.barrier_grid)
 
     @property
     def launch_seconds(self) -> float:
@@ -289,6 +288,7 @@ class LatencyEstimate:
         return {"device": self.device.name, "seconds": self.seconds, "stage_seconds": self.stage_seconds,
                 "barrier_seconds": self.barrier_seconds, "launch_seconds": self.launch_seconds,
                 "roofline_seconds": self.roofline_seconds, "grid_barriers": self.grid_barriers,
+                "barrier_grid": self.barrier_grid,
                 "launches": self.launches,
                 "stages": [{"name": s.work.name, "template": s.work.template, "executions": s.work.executions,
                             "n_tiles": s.work.n_tiles, "waves": s.work.waves,

@@ -1,8 +1,9 @@
 """The cost of a grid barrier on a GPU, by grid size: cooperative_groups' ``grid.sync()``, the
 barrier between the stages of every persistent kernel here (``codegen.cuda``).
 
-The latency model charges ``analysis.latency.GRID_SYNC_SECONDS`` (2 us, an assumption) per
-barrier. The H100's timelines put more on each segment between two barriers than its stages'
+The latency model charges ``DeviceModel.grid_sync_seconds`` per barrier: the line through this
+script's figures from an H100 (``analysis.device``; it was a flat 2 us, an assumption, before
+any GPU ran this). The H100's timelines put more on each segment between two barriers than its stages'
 estimates explain (``latency_vs_gpu.py --segments``: a fixed cost per segment); this measures the
 barrier alone, and with an element-wise phase of a given size before each (BERT's transposes are
 384 x 768), at 1 to 8 blocks of 256 threads per SM, so that the two can be told apart.

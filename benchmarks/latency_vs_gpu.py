@@ -125,7 +125,7 @@ def segment_summary(rows: list[dict]) -> dict:
     """The timed segments of every compared kernel: measured over estimated by template (segments
     of one template), and a least-squares split of the measured times into a factor on the
     estimate and a fixed cost per segment (the grid barrier that ends it, the blocks' ramp after
-    it: what the model's ``GRID_SYNC_SECONDS`` stands for)."""
+    it: what the model's ``DeviceModel.grid_sync_seconds`` stands for)."""
     segments = [s for r in rows for s in r.get("segments", [])]
     if not segments:
         return {}

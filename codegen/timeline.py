@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from analysis.latency import GRID_SYNC_SECONDS, LatencyEstimate
+from analysis.latency import LatencyEstimate
 from codegen.latency import kernel_runs
 from codegen.staged import Loop, StagedProgram
 
@@ -90,13 +90,14 @@ def segments(staged: StagedProgram, estimate: LatencyEstimate) -> list[Segment]:
         raise TimelineError(f"{staged.name} launches more than one kernel per inference; the timeline "
                             "times one persistent kernel (ncu times each of several)")
     seconds = {id(item): stage.seconds for (item, _, _), stage in zip(runs, estimate.stages, strict=True)}
+    barrier_seconds = estimate.device.grid_sync_seconds(estimate.barrier_grid)
     done: list[Segment] = []
     current: list[str] = []
     current_seconds = 0.0
 
     def barrier():
         nonlocal current, current_seconds
-        done.append(Segment(tuple(current), current_seconds + GRID_SYNC_SECONDS))
+        done.append(Segment(tuple(current), current_seconds + barrier_seconds))
         current, current_seconds = [], 0.0
 
     def visit(items: list, suffix: str):

@@ -11,7 +11,6 @@ import pytest
 from analysis.device import DEVICES, H100, get_device
 from analysis.latency import (
     DRAM_CYCLES,
-    GRID_SYNC_SECONDS,
     L1_HIT_CYCLES,
     L2_HIT_CYCLES,
     MemoryAccess,
@@ -195,7 +194,25 @@ def test_barriers_and_launches_add_their_cost():
     works = [_work()]
     plain = estimate_program("m", works, 0, 1, 0, H100)
     synced = estimate_program("m", works, 3, 2, 0, H100)
-    assert synced.seconds - plain.seconds == pytest.approx(3 * GRID_SYNC_SECONDS + H100.launch_seconds)
+    assert synced.seconds - plain.seconds == pytest.approx(3 * H100.grid_sync_seconds(works[0].grid)
+                                                           + H100.launch_seconds)
+
+
+def test_a_grid_barrier_costs_what_the_h100_measured_at_its_grid():
+    """The H100's grid.sync() alone (benchmarks/results/gpu_h100_3_runs/run1_gpu_barrier.json): the
+    model's line is within 0.04 us of each measured grid, and grows with the grid's blocks."""
+    import json
+    from pathlib import Path
+
+    measured = json.loads((Path(__file__).parents[1] / "benchmarks/results/gpu_h100_3_runs/run1_gpu_barrier.json")
+                          .read_text())
+    assert measured["device"].startswith("NVIDIA H100")
+    for row in measured["rows"]:
+        assert H100.grid_sync_seconds(row["grid"]) * 1e6 == pytest.approx(row["barrier_us"], abs=0.04)
+    assert H100.grid_sync_seconds(1056) > H100.grid_sync_seconds(132) > 1e-6
+    works = [_work(grid=132), _work(grid=660)]
+    assert estimate_program("m", works, 10, 1, 0, H100).barrier_seconds == pytest.approx(
+        10 * H100.grid_sync_seconds(660))  # the widest kernel's grid
 
 
 def test_roofline_bound_is_flops_at_peak_or_compulsory_bytes():
@@ -218,7 +235,8 @@ def test_a_scan_body_counts_once_per_trip():
     assert loop.total_seconds == pytest.approx(loop.seconds * loop.work.executions)
     assert estimate.grid_barriers == staged.barrier_count(executed=True)
     assert estimate.seconds == pytest.approx(sum(s.total_seconds for s in estimate.stages)
-                                             + estimate.grid_barriers * GRID_SYNC_SECONDS + H100.launch_seconds)
+                                             + estimate.grid_barriers * H100.grid_sync_seconds(estimate.barrier_grid)
+                                             + H100.launch_seconds)
 
 
 @pytest.mark.parametrize("level", [0, 4])
