@@ -36,8 +36,9 @@ chip: a quarter at 32).
 
 Which of them is the largest is the stage's ``bound``. The whole model adds every stage's time
 times its executions (scan bodies run once per trip), ``DeviceModel.grid_sync_seconds`` per grid
-barrier executed (measured on an H100: it grows with the grid's blocks) and ``DeviceModel.launch_seconds`` per kernel launched. Its roofline bound is
-``max(FLOPs at peak, compulsory bytes at DRAM bandwidth)``: no schedule beats it. A stage's
+barrier executed (measured on an H100: it grows with the grid's blocks) and
+``DeviceModel.launch_seconds`` per kernel launched. Its roofline bound is ``max(FLOPs at peak,
+compulsory bytes at DRAM bandwidth)``: no schedule beats it. A stage's
 ``fraction_of_peak`` is its FLOPs over its time at the peak of its dtype (the FMA peak for
 float32, the tensor-core peak for float16 and bfloat16, and for float32 operands multiplied in TF32
 the ``tf32`` one), the figure the 40%-of-peak goal for GEMM-shaped stages is checked against.

@@ -394,14 +394,15 @@ def cuda_compile(source: CudaSource, device: DeviceModel) -> Outcome:
             blocks = _occupancy(resources[name], launches[name], device, threads).blocks_per_sm
         except TargetError:
             continue  # check_co_residency refuses it, with the reason
-        if blocks < needed:
+        if blocks < needed:  # where the shared memory is what limits it, check_co_residency refuses it
             bounded = _launch_bounds(text, name, threads, needed)
             bounded_cubin, bounded_resources = compile_cubin(bounded, device.arch, names)
             notes.append(f"{name}: its on-chip weights need {launches[name].min_grid} blocks ({needed} blocks/SM), "
                          f"ptxas took {resources[name].registers} registers ({blocks} blocks/SM); bounded to "
                          f"{needed} blocks/SM: {bounded_resources[name].registers} registers, "
                          f"{bounded_resources[name].spill_bytes} B spilled")
-            text, cubin, resources, blocks = bounded, bounded_cubin, bounded_resources, needed
+            text, cubin, resources = bounded, bounded_cubin, bounded_resources
+            blocks = _occupancy(resources[name], launches[name], device, threads).blocks_per_sm
         used = resources[name]
         for bound in range(blocks - 1, needed - 1, -1) if used.spill_bytes else ():
             bounded = _launch_bounds(text, name, threads, bound)
