@@ -12,13 +12,14 @@ shared memory at 1 block/SM against 1.00 ms with them in global memory at 6 bloc
 (benchmarks/results/gpu_h100.md), and 1.49 against 1.20 ms on an H200 (gpu_h200.md); tiny LSTM,
 whose weights fit without losing a block, was faster on chip (33 against 37 us on the H100).
 
-The slices are placed for the grid of that residency (its blocks per SM on every SM, or one
-block per tile of the kernel's widest stage where that is fewer), so that a block keeps the
-slices of the tiles it runs at that grid, not of those it would run at one block per SM: paper
-LSTM's 1280 tiles of 16 KB are 3 slices a block at 4 blocks/SM on an H100 (48 KB), where at
-132 blocks they were 10 (160 KB) and never fit. The launch then needs that grid
-(``OnChip.min_grid``): ``codegen.cuda.cuda_compile`` holds ptxas to its blocks per SM with
-``__launch_bounds__`` where ptxas would leave fewer.
+A block keeps the slices of the tiles it runs, so the slices a block needs fall as the grid
+grows: a weight is placed for the smallest grid of whole blocks per SM, up to that residency, at
+which its slices fit (or one block per tile of the kernel's widest stage where that is fewer).
+Paper LSTM's 1280 tiles of 16 KB are 10 slices a block at 132 blocks (160 KB), which never fit,
+and 3 at 4 blocks/SM on an H100 (528 blocks, 48 KB), which do; a weight that fits at one block
+per SM asks for no more. The launch then needs that grid (``OnChip.min_grid``):
+``codegen.cuda.cuda_compile`` holds ptxas to its blocks per SM with ``__launch_bounds__`` where
+ptxas would leave fewer, which the smallest grid makes as rare as it can.
 """
 
 from __future__ import annotations
@@ -57,17 +58,18 @@ def tile_slice(stage: Stage, read: int) -> int | None:
 def keep_weights_on_chip(staged: StagedProgram, device) -> Outcome:
     """``staged`` with the weight slices its loops' stages read loaded into each block's shared
     memory before the loop, where every tile reads its own contiguous slice and the device's
-    shared memory per block holds them at the grid of the kernel's residency (the blocks per SM
-    its registers and threads allow on every SM, or one block per tile where there are fewer
-    tiles) without lowering that residency; one note per weight, kept or not. Loops that launch
-    kernels from the host are left alone."""
+    shared memory per block holds them at a grid of the kernel's residency or fewer blocks per SM
+    (the blocks per SM its registers and threads allow; see the module docstring) without
+    lowering that residency; one note per weight, kept or not. Loops that launch kernels from the
+    host are left alone."""
     items = copy_items(staged.items)
     placing = _Placement(staged, device)
     for kernel in _kernels(items):
         blocks = placing.residency(stages_in(kernel), staged.threads)
-        min_grid = min(blocks * device.sms, max(s.schedule.n_tiles for s in stages_in(kernel)))
+        widest = max(s.schedule.n_tiles for s in stages_in(kernel))
+        grids = sorted({min(b * device.sms, widest) for b in range(1, blocks + 1)})
         for loop in [item for item in loops_in(kernel) if not item.on_host]:
-            placing.loop(loop, min_grid)
+            placing.loop(loop, grids)
     return Outcome(staged.with_items(items), placing.notes)
 
 
@@ -109,7 +111,9 @@ class _Placement:
             self.limit = f"shared memory per block that keeps {blocks} blocks/SM on {self.device.name}"
         return blocks
 
-    def loop(self, loop: Loop, min_grid: int):
+    def loop(self, loop: Loop, grids: list[int]):
+        """Place the weights ``loop``'s stages read, each for the first of ``grids`` (ascending)
+        at which its slices fit."""
         for stage in stages_in(loop.items):
             for k, ref in enumerate(stage.reads):
                 if ref.base not in self.weights or not isinstance(ref.offset, int) or k in stage.on_chip:
@@ -117,9 +121,10 @@ class _Placement:
                 per_tile = tile_slice(stage, k)
                 if per_tile is None:
                     continue
-                slots = -(-stage.schedule.n_tiles // min_grid)
-                load = OnChip(stage.name, ref, stage.schedule.n_tiles, per_tile, slots, min_grid,
-                              self.used.get(ref.spec.dtype, 0))
+                loads = [OnChip(stage.name, ref, stage.schedule.n_tiles, per_tile, -(-stage.schedule.n_tiles // grid),
+                                grid, self.used.get(ref.spec.dtype, 0)) for grid in grids]
+                load = next((load for load in loads if load.bytes <= self.budget), loads[-1])
+                slots, min_grid = load.slots, load.min_grid
                 where = f"{ref.spec.name} (read by {stage.name} in loop {loop.name})"
                 if load.bytes > self.budget:
                     self.notes.append(
