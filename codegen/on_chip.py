@@ -124,11 +124,10 @@ class _Placement:
                 loads = [OnChip(stage.name, ref, stage.schedule.n_tiles, per_tile, -(-stage.schedule.n_tiles // grid),
                                 grid, self.used.get(ref.spec.dtype, 0)) for grid in grids]
                 load = next((load for load in loads if load.bytes <= self.budget), loads[-1])
-                slots, min_grid = load.slots, load.min_grid
                 where = f"{ref.spec.name} (read by {stage.name} in loop {loop.name})"
                 if load.bytes > self.budget:
                     self.notes.append(
-                        f"{where} stays in global memory: {slots} tiles per block x "
+                        f"{where} stays in global memory: {load.slots} tiles per block x "
                         f"{per_tile * np.dtype(ref.spec.dtype).itemsize} B = {load.bytes} B > {self.budget} B, the "
                         f"{self.limit}")
                     continue
@@ -137,5 +136,5 @@ class _Placement:
                 stage.on_chip[k] = load
                 loop.loads.append(load)
                 self.notes.append(
-                    f"{where} on chip: {slots} tiles per block x {per_tile} elements, {load.bytes} B of shared "
-                    f"memory per block at {min_grid} blocks or more, loaded once per inference")
+                    f"{where} on chip: {load.slots} tiles per block x {per_tile} elements, {load.bytes} B of shared "
+                    f"memory per block at {load.min_grid} blocks or more, loaded once per inference")

@@ -39,7 +39,9 @@ class OnChip:
     n_tiles: int  # the stage's tiles
     per_tile: int  # elements of the weight per tile
     slots: int  # tiles per block at the smallest grid the kernel is launched with
-    min_grid: int  # that grid: the kernel's residency on every SM, or one block per tile of its widest stage
+    # that grid: the fewest whole blocks per SM, up to the kernel's residency, at which the slices fit
+    # (``codegen.on_chip``), or one block per tile of the kernel's widest stage where that is fewer
+    min_grid: int
     offset: int = 0  # where the block's copy starts in the on-chip memory of its dtype (elements)
 
     @property
