@@ -77,6 +77,32 @@ SHARED_SUM = _kernel("""
   y_ptr[blockIdx.x * 64 + threadIdx.x] = total[0];""")
 
 
+# REVERSE through cp.async, in the inline PTX TVM's CUDA code generator prints for it
+# (codegen.tensor_core's asynchronous pipeline): copy, commit, wait, __syncthreads, read.
+CP_ASYNC_HELPERS = """
+__forceinline__ __device__ void ptx_cp_async_4(void* dst, int dst_off, void* src, int src_off) {
+  uint8_t* dst_p = (uint8_t*)dst + dst_off * 4;
+  uint8_t* src_p = (uint8_t*)src + src_off * 4;
+  unsigned int dst_addr = __cvta_generic_to_shared(dst_p);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;"
+    :: "r"(dst_addr), "l"(src_p), "n"(4));
+}
+__forceinline__ __device__ void commit() {
+  asm volatile("cp.async.commit_group;" :  : );
+}
+__forceinline__ __device__ void wait_all() {
+  asm volatile("cp.async.wait_group 0;" :  :  : "memory");
+}
+"""
+ASYNC_REVERSE = CP_ASYNC_HELPERS + _kernel("""
+  __shared__ alignas(64) float tile[64];
+  ptx_cp_async_4(tile, threadIdx.x, x_ptr, blockIdx.x * 64 + threadIdx.x);
+  commit();
+  wait_all();
+  __syncthreads();
+  y_ptr[blockIdx.x * 64 + threadIdx.x] = tile[63 - threadIdx.x];""")
+
+
 def _x(grid: int = GRID) -> np.ndarray:
     return np.arange(grid * THREADS, dtype=np.float32) + 1
 
@@ -113,6 +139,44 @@ def test_dropped_syncthreads_is_a_race():
     with pytest.raises(EmulationError, match=r"kernel main_kernel: data race on shared memory .*block 0 thread .* "
                                              r"no __syncthreads between them"):
         _run(REVERSE.replace("__syncthreads();", ""), "ascending", [_x()], 1)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_cp_async_lands_by_the_wait_that_retires_it(order):
+    (y,) = _run(ASYNC_REVERSE, order, [_x()], 1)
+    np.testing.assert_array_equal(y, _x().reshape(GRID, 64)[:, ::-1].reshape(-1))
+
+
+def test_cp_async_without_its_wait_is_caught():
+    """The emulator holds each copy until a wait retires it (the latest a GPU may land it): with
+    no wait it never lands, and the thread returns with it pending."""
+    with pytest.raises(EmulationError, match=r"block \d thread \(\d+,0,0\) returns with 1 cp.async copies never "
+                                             r"waited on"):
+        _run(ASYNC_REVERSE.replace("  wait_all();\n  __syncthreads", "  __syncthreads"), "ascending", [_x()], 1)
+
+
+def test_cp_async_read_before_its_wait_reads_what_was_there():
+    """A thread reading its own copy's destination before the wait gets the poison shared memory
+    starts with, not the copy."""
+    source = ASYNC_REVERSE.replace("  commit();\n  wait_all();\n  __syncthreads();\n  y_ptr[blockIdx.x * 64 + threadIdx.x] = tile[63 - threadIdx.x];",
+                                   "  commit();\n  y_ptr[blockIdx.x * 64 + threadIdx.x] = tile[threadIdx.x];\n  wait_all();")
+    assert source != ASYNC_REVERSE
+    (y,) = _run(source, "ascending", [_x()], 1)
+    assert np.isnan(y).all()
+
+
+def test_cp_async_waited_on_but_not_synchronized_is_a_race():
+    """The copy is the issuing thread's write, when the wait lands it: another thread's read of
+    it needs a __syncthreads after that wait."""
+    with pytest.raises(EmulationError, match=r"data race on shared memory .* no __syncthreads between them"):
+        _run(ASYNC_REVERSE.replace("  wait_all();\n  __syncthreads();", "  wait_all();"), "descending", [_x()], 1)
+
+
+def test_a_cp_async_the_emulator_does_not_model_is_refused():
+    source = ASYNC_REVERSE.replace('"cp.async.ca.shared.global [%0], [%1], %2;"',
+                                   '"cp.async.ca.shared.global [%0], [%1], %2, %3;"')
+    with pytest.raises(TargetError, match=r"does not model this cp.async \(line \d+\)"):
+        _run(source, "ascending", [_x()], 1)
 
 
 def test_dropped_grid_barrier_is_a_race():

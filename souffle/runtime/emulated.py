@@ -15,6 +15,11 @@ not every thread reaches is a deadlock, reported with the kernel, block and thre
 order, arguments, grids) runs unchanged; the grid is the user's (a persistent kernel is right at
 any grid size), at most the launch's tiles. Every buffer it allocates starts poisoned (0xff
 bytes: NaN floats), and so does each block's shared memory.
+
+Asynchronous copies (``cp.async``, TVM's inline PTX, rewritten by ``emulable``) read their source
+when issued and land only when a ``cp.async.wait_group`` retires their group, the latest a GPU may
+land them: a thread that reads its copy before the wait reads what was there, another thread's
+read with no ``__syncthreads`` after that wait is a race, and a copy never waited on is an error.
 """
 
 from __future__ import annotations
@@ -83,6 +88,36 @@ def _cache_dir() -> Path:
     return Path.home() / ".cache" / "souffle" / "emulated"
 
 
+# TVM's inline PTX for cp.async (``codegen.tensor_core``'s asynchronous pipeline), as its CUDA code
+# generator prints it, and the emulator's calls that replace it (``emulator/souffle_emulated.h``).
+_CP_ASYNC = re.compile(r'unsigned int (\w+) = __cvta_generic_to_shared\((\w+)\);\s*'
+                       r'asm volatile\("cp\.async\.c[ag]\.shared\.global \[%0\], \[%1\], %2;"\s*'
+                       r'::\s*"r"\(\1\), "l"\((\w+)\), "n"\((\d+)\)\);')
+# a padded operand's copy: where the predicate is 1 the copy, else zeros stored at once
+_CP_ASYNC_PREDICATED = re.compile(
+    r'unsigned int (\w+) = __cvta_generic_to_shared\((\w+)\);\s*__asm__ __volatile__\(\s*'
+    r'"\{\\n"\s*" \.reg \.pred p;\\n"\s*" setp\.eq\.u32 p, %3, 1;\\n"\s*'
+    r'" @p cp\.async\.c[ag]\.shared\.global \[%0\], \[%1\], %2;\\n"\s*'
+    r'" @!p st\.shared\.v\d\.u32 \[%0\], \{[^}]*\};\\n"\s*"\}\\n"\s*'
+    r'::\s*"r"\(\1\), "l"\((\w+)\), "n"\((\d+)\), "r"\((\w+)\), "r"\(0\)\s*\);')
+_CP_ASYNC_COMMIT = re.compile(r'asm volatile\("cp\.async\.commit_group;"[^;]*\);')
+_CP_ASYNC_WAIT = re.compile(r'asm volatile\("cp\.async\.wait_group (\d+);"[^;]*\);')
+
+
+def emulable(source: str) -> str:
+    """``source`` with TVM's inline PTX for cp.async replaced by the emulator's calls; a form of
+    cp.async it does not know is a TargetError, never PTX the host compiler would choke on or,
+    worse, copies the emulator would not model."""
+    text = _CP_ASYNC.sub(r"souffle_cp_async(\2, \3, \4);", source)
+    text = _CP_ASYNC_PREDICATED.sub(r"if (\5 == 1) souffle_cp_async(\2, \3, \4); else souffle_zeros(\2, \4);", text)
+    text = _CP_ASYNC_COMMIT.sub("souffle_cp_async_commit();", text)
+    text = _CP_ASYNC_WAIT.sub(r"souffle_cp_async_wait(\1);", text)
+    for number, line in enumerate(text.splitlines(), 1):
+        if "cp.async" in line:
+            raise TargetError(f"the cuda-emulated target does not model this cp.async (line {number}): {line.strip()}")
+    return text
+
+
 def _glue(source: str, kernels: tuple[str, ...], dynamic_shared: int) -> str:
     """An entry ``souffle_entry_<kernel>(void** args)`` per kernel, and the dynamic shared array
     the source declares ``extern``, sized for the largest launch."""
@@ -104,7 +139,8 @@ def build(source: str, kernels: tuple[str, ...], dynamic_shared: int = 0) -> Pat
     functions, ``dynamic_shared`` the most dynamic shared memory a launch asks for), cached by
     source, emulator and compiler. A compile error is a TargetError with the first error lines."""
     compiler = _compiler()
-    key = json.dumps({"source": source, "kernels": kernels, "dynamic_shared": dynamic_shared,
+    text = emulable(source)
+    key = json.dumps({"source": text, "kernels": kernels, "dynamic_shared": dynamic_shared,
                       "header": HEADER.read_text(), "runtime": RUNTIME.read_text(),
                       "stubs": sorted((str(p.relative_to(EMULATOR)), p.read_text())
                                       for p in (EMULATOR / "include").rglob("*") if p.is_file()),
@@ -115,7 +151,7 @@ def build(source: str, kernels: tuple[str, ...], dynamic_shared: int = 0) -> Pat
         return library
     with tempfile.TemporaryDirectory(prefix="souffle-emulated-") as work:
         work = Path(work)
-        (work / "kernel.cu").write_text(source)
+        (work / "kernel.cu").write_text(text)
         (work / "glue.cpp").write_text(_glue(source, kernels, dynamic_shared))
         steps = {
             "the kernel": [compiler, *_KERNEL_FLAGS, "-include", str(HEADER), "-I", str(EMULATOR / "include"), "-c",

@@ -53,6 +53,16 @@ constexpr size_t STACK_BYTES = 256 * 1024;
 constexpr uint64_t CANARY = 0x5eedf00dcafebabeull;
 constexpr int NOBODY = -1;
 
+// A cp.async copy in flight: its source read when issued, its destination written only when a
+// cp.async.wait_group retires its group (the latest a GPU may land it).
+struct AsyncCopy {
+  char* destination;
+  unsigned char data[16];
+  int bytes;
+  int group;  // -1 until committed
+  uintptr_t pc;  // the issue, for a report
+};
+
 struct Fiber {
   ucontext_t context;
   char* stack = nullptr;  // STACK_BYTES, the canary at the bottom
@@ -63,7 +73,10 @@ struct Fiber {
   int warp_op = 0, warp_arg = 0, warp_width = 32;
   unsigned warp_mask = 0;
   uint64_t deposit = 0, result = 0;
+  std::vector<AsyncCopy> copies;  // its cp.async copies not yet waited on, oldest first
+  int groups = 0;  // cp.async groups it has committed
 };
+
 
 // Memory is tracked in granules of the smallest element's size; a race names the granule's byte offset.
 constexpr uintptr_t GRANULE = 2;
@@ -270,7 +283,13 @@ void wait(State state, int line) {
 
 void run_fiber() {
   launch->entry(launch->args);
-  launch->current->state = DONE;
+  Fiber& fiber = *launch->current;
+  if (!fiber.copies.empty() && launch->error.empty()) {
+    fail("kernel %s: %s returns with %zu cp.async copies never waited on (no cp.async.wait_group retires them)",
+         launch->kernel.c_str(), thread_name(fiber.block, fiber.thread).c_str(), fiber.copies.size());
+    launch->error_pcs = module_offset(fiber.copies.front().pc);
+  }
+  fiber.state = DONE;
   switch_to_scheduler();
 }
 
@@ -490,6 +509,39 @@ extern "C" {
 void souffle_syncthreads(int line) { wait(AT_SYNCTHREADS, line); }
 
 void souffle_grid_sync() { wait(AT_GRID_SYNC, 0); }
+
+// cp.async: the source was read (and checked) by the kernel's own instrumented code; the copy
+// lands in shared memory when a wait retires its group, checked as this thread's write there.
+void souffle_cp_async_issue(void* destination, const void* data, int bytes) {
+  AsyncCopy copy{static_cast<char*>(destination), {}, bytes, -1,
+                 reinterpret_cast<uintptr_t>(__builtin_return_address(0))};
+  std::memcpy(copy.data, data, bytes);
+  launch->current->copies.push_back(copy);
+}
+
+void souffle_cp_async_commit() {
+  Fiber& fiber = *launch->current;
+  for (AsyncCopy& copy : fiber.copies) {
+    if (copy.group < 0) copy.group = fiber.groups;
+  }
+  ++fiber.groups;
+}
+
+void souffle_cp_async_wait(int pending) {
+  void* pc = __builtin_return_address(0);
+  Fiber& fiber = *launch->current;
+  std::vector<AsyncCopy> kept;
+  for (const AsyncCopy& copy : fiber.copies) {
+    if (copy.group < 0 || copy.group >= fiber.groups - pending) {
+      kept.push_back(copy);
+      continue;
+    }
+    on_access(copy.destination, copy.bytes, true, pc);
+    if (!launch->error.empty()) return;
+    std::memcpy(copy.destination, copy.data, copy.bytes);
+  }
+  fiber.copies = kept;
+}
 
 uint64_t souffle_warp_exchange(int line, int kind, unsigned mask, uint64_t value, int arg, int width) {
   Fiber& fiber = *launch->current;

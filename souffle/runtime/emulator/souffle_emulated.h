@@ -22,6 +22,24 @@ void souffle_grid_sync();
 // on ``kind`` (souffle_warp_op) and ``arg`` (source lane, delta or lane mask).
 uint64_t souffle_warp_exchange(int line, int kind, unsigned mask, uint64_t value, int arg, int width);
 unsigned souffle_activemask();
+// cp.async (codegen.tensor_core's asynchronous pipeline): a copy is held until the
+// cp.async.wait_group that retires its group, then written (souffle.runtime.emulated rewrites
+// TVM's inline PTX into these).
+void souffle_cp_async_issue(void* destination, const void* data, int bytes);
+void souffle_cp_async_commit();
+void souffle_cp_async_wait(int pending);
+}
+
+// The source is read here, in the kernel's instrumented code, where the race checks see it.
+inline void souffle_cp_async(void* destination, const void* source, int bytes) {
+  unsigned char data[16];
+  for (int b = 0; b < bytes; ++b) data[b] = static_cast<const unsigned char*>(source)[b];
+  souffle_cp_async_issue(destination, data, bytes);
+}
+
+// A predicated cp.async whose predicate fails stores zeros at once (``st.shared``).
+inline void souffle_zeros(void* destination, int bytes) {
+  for (int b = 0; b < bytes; ++b) static_cast<unsigned char*>(destination)[b] = 0;
 }
 
 enum souffle_warp_op { SOUFFLE_SHFL_IDX, SOUFFLE_SHFL_UP, SOUFFLE_SHFL_DOWN, SOUFFLE_SHFL_XOR,
