@@ -20,7 +20,15 @@ threadIdx.x, threadIdx.y, loop iterations) with its byte address; it checks
 - no races: two accesses to the same bytes, one a write, by different threads, must be ordered by
   a barrier executed between them: a ``__syncthreads`` (or grid barrier) for threads of one
   block, in shared or global memory, the grid barrier for threads of different blocks.
-  Registers (``local``) and warp shuffles, which exchange registers, never race.
+  Registers (``local``) and warp shuffles, which exchange registers, never race;
+- asynchronous copies (``cp.async``, TVM's ``cp_async_raw`` in commit and wait scopes): each
+  copy reads its source at the issue and writes its destination at some moment up to the
+  ``cp.async.wait_group`` that retires its group, found by running the tile's commits and waits
+  in order (``Walker.resolve_async``; they may sit in one loop of constant trips, the software
+  pipeline's). The write is checked as a race at both ends, against what came before the issue
+  and what comes after that wait, and no thread may touch its bytes in between
+  (``Checker.in_flight``). A copy no wait retires within its tile, or a pattern of commits and
+  waits the walker cannot run (under a condition, in nested loops), is refused.
 
 How every grid size is covered: an address is a function of the tile, never of ``G`` (``t * G``
 is rewritten as ``tile - blockIdx.x``). Two accesses with different tiles (or blocks) run on
@@ -40,6 +48,7 @@ provably non-negative (every index variable is), else not affine. The race searc
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -143,6 +152,18 @@ class Form:
 
     def frozen(self) -> tuple:
         return tuple(sorted(self.terms.items(), key=repr))
+
+    def renamed(self, names: dict) -> Form:
+        """The form with each variable in ``names`` renamed (inside floors and remainders too)."""
+        def atom(a):
+            if isinstance(a, (Floor, Modulo)):
+                return type(a)(Form(dict(a.form)).renamed(names).frozen(), a.divisor)
+            return names.get(a, a)
+        terms: dict = {}
+        for k, v in self.terms.items():
+            key = tuple(atom(a) for a in k)
+            terms[key] = terms.get(key, 0) + v
+        return Form(terms)
 
     def render(self, suffix: str = "") -> str:
         parts = []
@@ -396,6 +417,11 @@ class Access:
     block: str  # the variable telling blocks apart: a tile or blockIdx.x
     stage: int | None
     approximate: bool
+    # a cp.async copy's write: "issued" where it is issued, "landed" at the wait that retires it.
+    # Races are checked against the issue with the other access first (the copy must not overwrite
+    # what a thread has yet to read) and against the landing with it first (a thread reads the copy
+    # after it lands); ``Checker.in_flight`` refuses every access in between.
+    copy: str = ""
 
     @property
     def stmt(self) -> str:
@@ -418,9 +444,35 @@ class Kernel:
     parameter_domain: list = field(default_factory=list)  # host loop counters' ranges
     grid_domain: str = f"{GRID} >= 1"
     bounds: dict = field(default_factory=dict)  # variable -> (lowest, highest), where constant
+    in_flight: list = field(default_factory=list)  # InFlight: each cp.async copy, issued to retired
 
 
 REPORTED = 5  # violations found before the race search stops (the error lists these)
+
+
+@dataclass
+class AsyncEvent:
+    """A cp.async event of one stage's tile body, as every thread of the block runs it: an
+    ``issue`` (its shared write ``access``, in the commit scope at ``scope``), a ``commit`` (at the
+    end of the commit scope at ``path``) or a ``wait`` (at the start of the wait scope at ``path``,
+    leaving ``pending`` groups in flight)."""
+
+    kind: str
+    path: tuple
+    pending: int = 0
+    access: Access | None = None
+    scope: tuple = ()
+
+
+@dataclass
+class InFlight:
+    """A cp.async copy from its issue to the wait that retires it: ``landed`` is its write at that
+    wait (``issue``'s address, the issue's iteration of the pipeline loop renamed ``issued``)."""
+
+    issue: Access
+    landed: Access
+    issued: str | None  # the variable of the issue's pipeline iteration in ``landed``, if in the loop
+    loop: int | None  # the pipeline loop's id
 
 
 class Walker:
@@ -434,6 +486,9 @@ class Walker:
         self.memories: dict = {}  # buffer -> Memory
         self.ids = itertools.count()
         self.grid_var = None
+        self.data_buffers: dict = {}  # a buffer's data variable -> the buffer (cp.async names data)
+        self.async_events: list[AsyncEvent] = []  # the current tile body's
+        self.commit_scopes: list[tuple] = []  # the paths of the commit scopes being walked
 
     # memory
     def root(self, buffer: tirx.Buffer, scope: str) -> Memory:
@@ -445,6 +500,7 @@ class Walker:
     def declare(self, stmt: tirx.DeclBuffer):
         """A view: over another buffer's data (an alias) or at ``address_of(base[offset])``."""
         buffer = stmt.buffer
+        self.data_buffers[buffer.data] = buffer
         data = stmt.data
         bytes_ = buffer.dtype.bits * buffer.dtype.lanes // 8
         if isinstance(data, tvm.ir.Call) and data.op.name == "tirx.buffer_data":
@@ -514,6 +570,7 @@ class Walker:
             return False, False
         if isinstance(s, tirx.AllocBuffer):
             self.memories[s.buffer] = self.root(s.buffer, s.buffer.scope())
+            self.data_buffers[s.buffer.data] = s.buffer
             return False, False
         if isinstance(s, tirx.Bind):
             self.bind(s.var, s.value)
@@ -524,6 +581,10 @@ class Walker:
         if isinstance(s, tirx.AttrStmt):
             if s.attr_key == "thread_extent":
                 self.launch(s, ctx)
+            if s.attr_key == "async_commit_queue_scope":
+                return self.commit_scope(s, ctx)
+            if s.attr_key == "async_wait_queue_scope":
+                return self.wait_scope(s, ctx)
             return self.stmt(s.body, ctx)
         if isinstance(s, tirx.For):
             return self.loop(s, ctx)
@@ -542,6 +603,168 @@ class Walker:
             return False, False
         raise ValidationError(f"kernel {self.kernel.name}: a {type(s).__name__} statement, which the validator "
                               f"does not model")
+
+    # cp.async
+    def commit_scope(self, s: tirx.AttrStmt, ctx: Context) -> tuple[bool, bool]:
+        """A group of cp.async copies, committed as one at the scope's end (``cp.async.commit_group``)."""
+        if not ctx.uniform_block:
+            self.kernel.errors.append(f"cp.async: a commit {self.where(ctx)} under a condition or loop that "
+                                      f"depends on the thread or data, which the validator does not model")
+        self.commit_scopes.append(ctx.path)
+        flags = self.stmt(s.body, ctx)
+        self.commit_scopes.pop()
+        self.async_events.append(AsyncEvent("commit", ctx.path))
+        return flags
+
+    def wait_scope(self, s: tirx.AttrStmt, ctx: Context) -> tuple[bool, bool]:
+        """``cp.async.wait_group N`` at the start of the scope: all but the ``N`` latest groups land."""
+        inner = s.body
+        if not (isinstance(inner, tirx.AttrStmt) and inner.attr_key == "async_wait_inflight_count"
+                and isinstance(inner.value, tirx.IntImm)):
+            self.kernel.errors.append(f"cp.async: a wait {self.where(ctx)} without a constant count of groups "
+                                      f"left in flight, which the validator does not model")
+            return self.stmt(inner, ctx)
+        if not ctx.uniform_block:
+            self.kernel.errors.append(f"cp.async: a wait {self.where(ctx)} under a condition or loop that "
+                                      f"depends on the thread or data, which the validator does not model")
+        self.async_events.append(AsyncEvent("wait", ctx.path, pending=inner.value.value))
+        return self.stmt(inner.body, ctx)
+
+    def async_copy(self, call: tvm.ir.Call, ctx: Context, stmt):
+        """``cp_async_raw(dst, dst_offset, src, src_offset, bytes[, predicate])``, offsets in elements
+        of the call's dtype: the source is read at the issue (where the predicate holds: a padded
+        operand's copy stores zeros elsewhere); the destination is written some time between the
+        issue and the wait that retires the copy's group (``resolve_async``)."""
+        destination, destination_offset, source, source_offset, size, *predicate = call.args
+        dtype = str(call.ty.dtype)  # the offsets' unit (printed as the call's first argument)
+        buffers = [self.buffer_of(v) for v in (destination, source)]
+        if None in buffers or not isinstance(size, tirx.IntImm) or not self.commit_scopes or len(predicate) > 1:
+            self.kernel.errors.append(f"cp.async {self.where(ctx)}: {call} is not a copy the validator models "
+                                      f"(buffers it can name, a constant size, inside a commit scope)")
+            return
+        reading = ctx
+        if predicate:  # a padded operand: the copy where the predicate holds, else zeros stored at the issue
+            self.reads(predicate[0], ctx, stmt)
+            try:
+                reading = ctx.child(domain=ctx.domain + [self.conv.condition(predicate[0])])
+            except NonAffine:
+                reading = ctx.child(approximate=True)
+        for buffer, offset, write in ((buffers[1], source_offset, False), (buffers[0], destination_offset, True)):
+            where = ctx if write else reading
+            if str(buffer.dtype) != dtype:
+                self.kernel.errors.append(f"cp.async {self.where(ctx)}: offsets in {dtype} into "
+                                          f"{buffer.name} of {buffer.dtype}, which the validator does not model")
+                return
+            self.reads(offset, where, stmt)
+            found = self.index(offset, where, buffer)
+            index, variables, domain = found if found is not None else (None, where.variables, where.domain)
+            access = Access(stmt, buffer.name, self.memory(buffer), write, index, size.value, variables, domain,
+                            where.path, where.block, where.stage, where.approximate, "issued" if write else "")
+            self.kernel.accesses.append(access)
+        self.async_events.append(AsyncEvent("issue", ctx.path, access=access, scope=self.commit_scopes[-1]))
+
+    def buffer_of(self, data):
+        """The buffer whose data ``data`` is (``buffer_data(buffer)``, or a data variable)."""
+        if isinstance(data, tvm.ir.Call) and data.op.name == "tirx.buffer_data":
+            return data.args[0]
+        return self.data_buffers.get(data)
+
+    def resolve_async(self, tile_lid: int):
+        """Each cp.async copy of the tile body just walked, matched with the wait that retires it,
+        by running the body's commits and waits in order: a copy's group is the number of groups
+        committed before it; ``wait_group N`` retires every group but the ``N`` latest. The events
+        may sit in one loop over the tile's chunks (the software pipeline's), run for each of its
+        iterations; every copy must be retired by the end of the tile. Each copy's write is then
+        also recorded at the wait that retires it (``InFlight``), where other threads may read it
+        after a ``__syncthreads``; ``Checker.in_flight`` refuses any access to its bytes between
+        the issue and that wait."""
+        events, self.async_events = self.async_events, []
+        if not events:
+            return
+
+        def inner_loops(path):
+            start = path.index(("l", tile_lid)) + 1
+            if any(step[0] == "i" for step in path[start:]):
+                return None  # under a condition
+            return [step[1] for step in path[start:] if step[0] == "l"]
+
+        problems, loops = [], set()
+        for e in events:
+            found = inner_loops(e.scope if e.kind == "issue" else e.path)
+            if found is None or len(found) > 1:
+                problems.append(f"a cp.async {e.kind} under a condition or in nested loops")
+            else:
+                loops.update(found)
+        loop = next(iter(loops)) if len(loops) == 1 else None
+        trips = None
+        if loop is not None:
+            name = self.kernel.loop_info[loop][0]
+            low, high = self.kernel.bounds.get(name, (None, None))
+            trips = None if low != 0 or high is None else high + 1
+        if len(loops) > 1 or (loop is not None and trips is None):
+            problems.append("cp.async events in more than one loop, or in one of no constant trip count from 0")
+        if problems:
+            self.kernel.errors.append(f"cp.async in stage {len(self.kernel.stages) - 1}: {problems[0]}, a pattern "
+                                      f"the validator does not model")
+            return
+
+        def key(e):  # program order; a commit runs at its scope's end, a wait at its scope's start
+            steps = [(step[2],) if step[0] == "s" else (0,) for step in e.path]
+            return (*steps, ({"wait": -1, "issue": 0, "commit": math.inf}[e.kind],))
+
+        def in_loop(e):
+            return loop is not None and _in_path(e.scope if e.kind == "issue" else e.path, loop)
+
+        ordered = sorted(events, key=key)
+        outside = [(e, None) for e in ordered if not in_loop(e)]
+        if loop is not None:
+            body = [e for e in ordered if in_loop(e)]
+            loop_path = body[0].path[:body[0].path.index(("l", loop))]
+            before = [(e, j) for e, j in outside if _path_before(e.path, loop_path)]
+            after = [(e, j) for e, j in outside if not _path_before(e.path, loop_path)]
+            trace = before + [(e, j) for j in range(trips) for e in body] + after
+        else:
+            trace = outside
+        groups, pending, retired = 0, [], {}
+        for e, iteration in trace:
+            if e.kind == "issue":
+                pending.append((e, iteration, groups))
+            elif e.kind == "commit":
+                groups += 1
+            else:
+                kept = []
+                for issue, issued, group in pending:
+                    if group <= groups - 1 - e.pending:
+                        retired.setdefault((id(issue), id(e)), (issue, e, []))[2].append((issued, iteration))
+                    else:
+                        kept.append((issue, issued, group))
+                pending = kept
+        if pending:
+            self.kernel.errors.append(f"cp.async in stage {len(self.kernel.stages) - 1}: copies still in flight at "
+                                      f"the end of a tile (no cp.async.wait_group retires them): {pending[0][0].access.stmt}")
+            return
+        for issue, wait, pairs in retired.values():
+            for constraint in _runs(pairs, self.kernel.loop_info[loop][0] if loop is not None else None):
+                self.record_in_flight(issue, wait, constraint, loop)
+
+    def record_in_flight(self, issue: AsyncEvent, wait: AsyncEvent, constraint, loop: int | None):
+        """The copy ``issue`` as written at ``wait`` for the iterations ``constraint`` pairs them in."""
+        a = issue.access
+        issued = None
+        renames = {}
+        if loop is not None and _in_path(issue.scope, loop):
+            issued = f"q{next(self.ids)}"
+            renames[self.kernel.loop_info[loop][0]] = issued
+            self.kernel.bounds[issued] = self.kernel.bounds[self.kernel.loop_info[loop][0]]
+        variables = [renames.get(v, v) for v in a.variables]
+        domain = [_renamed_template(c, renames) for c in a.domain]
+        if loop is not None and _in_path(wait.path, loop):
+            variables.append(self.kernel.loop_info[loop][0])
+        domain += constraint(issued)
+        landed = Access(a.statement, a.buffer, a.memory, True, None if a.index is None else a.index.renamed(renames),
+                        a.width, variables, domain, wait.path, a.block, a.stage, a.approximate, "landed")
+        self.kernel.accesses.append(landed)
+        self.kernel.in_flight.append(InFlight(a, landed, issued, loop))
 
     def bind(self, var, value):
         try:
@@ -613,6 +836,8 @@ class Walker:
                 self.kernel.notes.append(f"loop {s.loop_var.name}: bounds not affine ({why}): any iteration")
             self.kernel.loop_info[lid] = (name, False)
         grid, block = self.stmt(s.body, child)
+        if tile is not None:
+            self.resolve_async(lid)
         self.kernel.loop_body_surely[("grid", lid)] = grid
         self.kernel.loop_body_surely[("block", lid)] = block
         if tile is not None or not isinstance(s.extent, tirx.IntImm) or s.extent.value < 1:
@@ -694,6 +919,12 @@ class Walker:
                     f"the lane or data: wmma needs every lane of the warp")
             if op in ("tirx.tvm_load_matrix_sync", "tirx.tvm_store_matrix_sync"):
                 self.fragment_tile(call, op == "tirx.tvm_store_matrix_sync", ctx, s)
+                return False, False
+            if op == "tirx.s_tir.cp_async_raw":
+                self.async_copy(call, ctx, s)
+                return False, False
+            if "cp_async" in op or "async_commit" in op or "async_wait" in op:
+                self.kernel.errors.append(f"cp.async: {op} {self.where(ctx)}, which the validator does not model")
                 return False, False
         self.reads(call, ctx, s)
         return False, False
@@ -844,6 +1075,65 @@ class Walker:
         for x in numerators:
             if not _is_empty(_set(self.kernel.params, [(variables, domain, "_a")], [f"{x.render('_a')} < 0"])):
                 raise NonAffine(f"a C division of {x.render()}, which may be negative")
+
+
+def _in_path(path: tuple, loop: int) -> bool:
+    """Whether ``path`` runs inside the loop ``loop``."""
+    return ("l", loop) in path
+
+
+def _path_before(a: tuple, b: tuple) -> bool:
+    """Whether the statement at path ``a`` runs before the one at ``b`` (neither inside the
+    other): at their first difference, a sequence position."""
+    for x, y in zip(a, b):
+        if x != y:
+            return x[0] == "s" and y[0] == "s" and x[1] == y[1] and x[2] < y[2]
+    return False
+
+
+def _renamed_template(constraint: str, names: dict) -> str:
+    """An isl constraint template (variables written ``name{s}``) with variables renamed."""
+    for old, new in names.items():
+        constraint = re.sub(rf"\b{re.escape(old)}\{{s\}}", f"{new}{{s}}", constraint)
+    return constraint
+
+
+def _runs(pairs: list, loop: str | None) -> list:
+    """The (issue iteration, retiring wait iteration) ``pairs`` of one copy and one wait as
+    isl constraint templates, one per run of consecutive issues at one distance: each a function
+    of the variable naming the issue's iteration (None outside the pipeline loop, as is a wait's
+    iteration there); the wait's iteration is the loop variable ``loop``."""
+    if all(i is None for i, _ in pairs):
+        return [lambda issued, j=j: [] if j is None else [f"{loop}{{s}} = {j}"] for _, j in pairs]
+    runs: list = []
+    for i, j in sorted(pairs):
+        distance = None if j is None else j - i
+        if runs and runs[-1][1] == i - 1 and runs[-1][2] == distance:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, distance])
+    return [lambda issued, low=low, high=high, d=d: [f"{low} <= {issued}{{s}} <= {high}"]
+            + ([] if d is None else [f"{loop}{{s}} = {issued}{{s}} + {d}"]) for low, high, d in runs]
+
+
+def _precedes(a: tuple, names_a, b: tuple, names_b, tile: int | None) -> list[list[str]]:
+    """The ways the point at path ``a`` runs before the one at ``b`` in one tile of one block,
+    as alternatives of isl constraints; ``names_x(loop)`` is the variable of a loop's iteration
+    on each side. A path that is a prefix of the other's is the start of the statement holding it
+    (a wait runs at the start of its scope)."""
+    alternatives, equal = [], []
+    for x, y in zip(a, b):
+        if x == y:
+            if x[0] == "l" and x[1] != tile:
+                alternatives.append(equal + [f"{names_a(x[1])} < {names_b(x[1])}"])
+                equal = equal + [f"{names_a(x[1])} = {names_b(x[1])}"]
+            continue
+        if x[0] == "s" and y[0] == "s" and x[1] == y[1] and x[2] < y[2]:
+            alternatives.append(equal)
+        return alternatives
+    if len(a) < len(b):
+        alternatives.append(equal)
+    return alternatives
 
 
 @dataclass
@@ -1135,7 +1425,7 @@ class Checker:
             reported = set()
             for i, a in enumerate(accesses):
                 for j, b in enumerate(accesses):
-                    if not (a.write or b.write):
+                    if not (a.write or b.write) or a.copy == "issued" or b.copy == "landed":
                         continue
                     if spans[i][1] < spans[j][0] or spans[j][1] < spans[i][0]:
                         continue
@@ -1148,6 +1438,51 @@ class Checker:
                         self.violations.append(message)
                         if len(self.violations) >= REPORTED:  # enough to refuse the kernel and say why
                             return
+
+    def in_flight(self):
+        """No thread touches a cp.async copy's bytes between the copy's issue and the wait that
+        retires it: the copy may land at any moment in between, whoever's barriers come between
+        (the races check the issue and the landing as writes at either end)."""
+        for flight in self.kernel.in_flight:
+            issue, landed = flight.issue, flight.landed
+            tile = next((lid for lid, (name, is_tile) in self.kernel.loop_info.items()
+                         if is_tile and name == issue.block), None)
+            for other in self.kernel.accesses:
+                if other.memory.root is not issue.memory.root or other is landed or other.stage != issue.stage:
+                    continue
+                if self.apart(landed, other):
+                    continue
+
+                def side(suffix, renamed=None):
+                    return lambda lid: (renamed if renamed and lid == flight.loop
+                                        else self.kernel.loop_info[lid][0]) + suffix
+
+                after_issue = _precedes(issue.path, side("_a", flight.issued), other.path, side("_b"), tile)
+                before_landing = _precedes(other.path, side("_b"), landed.path, side("_a"), tile)
+                if not after_issue or not before_landing:
+                    continue
+                order = [f"(({' or '.join('(' + ' and '.join(c or ['0 = 0']) + ')' for c in after_issue)}) and "
+                         f"({' or '.join('(' + ' and '.join(c or ['0 = 0']) + ')' for c in before_landing)}))"]
+                same_block = [f"{landed.block}_a = {other.block}_b", f"{BLOCK}_a = {BLOCK}_b"]
+                common = []
+                if landed.index is not None and other.index is not None and other.memory.offset is not None:
+                    x, y = _address(landed, "_a"), _address(other, "_b")
+                    common = [f"{x} <= {y} + {other.width - 1}", f"{y} <= {x} + {landed.width - 1}"]
+                conflict = _set(self.kernel.params, [(landed.variables, landed.domain, "_a"),
+                                                     (other.variables, other.domain, "_b")],
+                                common + same_block + order)
+                if _is_empty(conflict):
+                    continue
+                p = _point(conflict)
+                verb = "writes" if other.write else "reads"
+                self.violations.append(
+                    f"{self.stage_name(issue.stage)}: {self.describe(other, p, '_b')} {verb} {other.memory.scope} "
+                    f"{other.buffer}[{self.element(other, p, '_b')}] while the cp.async copy of "
+                    f"{self.describe(landed, p, '_a')} into {issue.buffer}[{self.element(landed, p, '_a')}] is in "
+                    f"flight (issued, not yet retired by the cp.async.wait_group that lands it; grid size {p[GRID]}): "
+                    f"{issue.stmt} | {other.stmt}")
+                if len(self.violations) >= REPORTED:
+                    return
 
     def touched_bytes(self, a: Access) -> isl.Set:
         if id(a) not in self.touched:
@@ -1325,6 +1660,7 @@ def validate_kernel(func: tirx.PrimFunc, threads: int, name: str = "kernel", cou
         checker.bounds()
         checker.coverage()
         checker.races()
+        checker.in_flight()
     return Validation(name, tuple(checker.violations), tuple(dict.fromkeys(kernel.notes)))
 
 

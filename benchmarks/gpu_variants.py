@@ -71,7 +71,17 @@ def _deep_tensor_core_tiles() -> list:
 
     from codegen import schedule
 
-    return [mock.patch.object(schedule, "TILES", tuple(dataclasses.replace(t, k_fragments=8) for t in schedule.TILES))]
+    return [mock.patch.object(schedule, "TILES", tuple(dataclasses.replace(t, k_fragments=8, async_stages=2)
+                                                       for t in schedule.TILES))]
+
+
+def _register_pipeline() -> list:
+    import dataclasses
+
+    from codegen import schedule
+
+    return [mock.patch.object(schedule, name, tuple(dataclasses.replace(t, async_stages=0) for t in getattr(schedule, name)))
+            for name in ("TILES", "TF32_TILES")]
 
 
 def _unpipelined_gemms() -> list:
@@ -124,10 +134,17 @@ VARIANTS = {
         "is the time per chunk a fixed wait that longer chunks amortize?",
         _long_matmul_chunks),
     "tc-depth-128": Variant(
-        "tensor-core tiles staging 128 terms of K at a time, not 64 (twice the operand slices in shared "
-        "memory): paper BERT fp16's 128 x 128 tiles took 1.8 to 1.9 us per chunk of 64 on the H100; "
-        "does half as many chunks pay?",
+        "tensor-core tiles staging 128 terms of K at a time, not 64, in a ring of two cp.async copies, "
+        "not three (the 128 x 128 tile's slices: 136 KB of shared memory, where three copies of 128 "
+        "terms would not fit a block): paper BERT fp16's 128 x 128 tiles took 1.8 to 1.9 us per chunk "
+        "of 64 on the H100 unpipelined; do half as many, deeper chunks pay?",
         _deep_tensor_core_tiles),
+    "register-pipeline": Variant(
+        "tensor-core tiles pipelined through registers, one chunk ahead, as the H100's third run timed "
+        "them (paper BERT fp16 1.31 ms, its 128 x 128 tiles about 1 us a chunk of 64 where their "
+        "tensor-core work is about 0.5 us), not by a ring of three cp.async copies with two chunks in "
+        "flight: how much of the wait per chunk do the asynchronous copies hide?",
+        _register_pipeline),
     "no-pipeline": Variant(
         "GEMM stages (tensor-core tiles and dlight's SIMT matmul) without the software pipeline: each chunk's "
         "slices loaded from global memory, then computed on, one after the other, as in the H100's second run, "

@@ -27,7 +27,7 @@ from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.threads import lower_for_device
 from codegen.staged import Loop, StagedProgram, loops_in, stages_in
 from codegen.stitch import BufferRef, align, seq
-from codegen.schedule import POOL_ALIGN_BYTES, WARP, pool_align, pooled_shared
+from codegen.schedule import POOL_ALIGN_BYTES, WARP, pool_offsets, pooled_shared
 from codegen.tf32 import tf32_source
 from codegen.tiled import on_chip_loads, parameters_used, slot_views, tiled_stage
 from souffle.errors import TargetError
@@ -38,7 +38,7 @@ from souffle.runtime.emulated import kernel_signature
 
 KERNEL_NAME = "main_kernel"
 GRID_PARAM = "grid_size"
-PASS_CONFIG = {"tirx.merge_static_smem": True}  # TVM's lowering of every kernel (source and validation)
+PASS_CONFIG = {"tirx.merge_static_smem": True, "tirx.use_async_copy": True}  # TVM's lowering of every kernel (source and validation)
 
 
 def _grid_sync() -> tirx.Stmt:
@@ -97,76 +97,82 @@ def _cleared(buffer: tirx.Buffer, start: int, end: int, threads: int) -> tirx.St
                                                                             [e + start]))
 
 
-def dynamic_shared_layout(staged: StagedProgram, items: list) -> dict[str, tuple[int, int]]:
-    """Per dtype, the kernel's dynamic shared memory (elements) and where in it the stages'
-    pool starts: first every on-chip weight copy (``StagedProgram.on_chip``), then the pool the
-    stages of ``items`` allocate their operand slices in (``codegen.tiled.pool_shared``), as
-    large as the most any one stage needs."""
-    on_chip: dict[str, int] = {}
+@dataclass(frozen=True)
+class SharedLayout:
+    """The kernel's one dynamic shared allocation, in bytes: each dtype's on-chip weight copies
+    (``StagedProgram.on_chip``) in a region of their own, where ``on_chip[dtype]`` starts
+    (``on_chip_elements[dtype]`` elements), then the pool the stages allocate their shared buffers
+    in (``codegen.tiled.pool_shared``) from ``pool`` on, as large as the most any one stage needs
+    (``pool_bytes``) and read as every dtype ``pool_dtypes`` of its stages' buffers."""
+
+    on_chip: dict
+    on_chip_elements: dict
+    pool: int
+    pool_bytes: int
+    pool_dtypes: tuple
+
+    @property
+    def words(self) -> int:
+        """The allocation's size in 4-byte words. Where there is no pool, one spare word at the
+        end, which ``_cleared`` zeroes: TVM's ``StorageRewrite`` refuses an allocation that no
+        statement loads or stores directly, and the stages reach it only through views."""
+        end = align(self.pool + self.pool_bytes, POOL_ALIGN_BYTES)
+        if not end:
+            return 0
+        return end // 4 + (0 if self.pool_bytes else 1)
+
+    def cleared(self) -> tuple[int, int]:
+        """The words zeroed when the kernel starts (``_cleared``): the pool, or the spare word.
+        The on-chip weights are not: other threads load them, unsynchronized with the zeroing."""
+        if self.pool_bytes:
+            return self.pool // 4, -(-(self.pool + self.pool_bytes) // 4)
+        return self.words - 1, self.words
+
+
+def shared_layout(staged: StagedProgram, items: list) -> SharedLayout:
+    """``items``' dynamic shared memory (``SharedLayout``), each region on ``POOL_ALIGN_BYTES``."""
+    elements: dict[str, int] = {}
     for load in (load for loop in loops_in(items) for load in loop.loads):
-        on_chip[load.dtype] = on_chip.get(load.dtype, 0) + load.elements
-    pool: dict[str, int] = {}
-    for stage in stages_in(items):
-        for dtype, n in pooled_shared(stage.func).items():
-            pool[dtype] = max(pool.get(dtype, 0), n)
-    layout = {}
-    for dtype in dict.fromkeys([*on_chip, *pool]):
-        start = align(on_chip.get(dtype, 0), pool_align(dtype))
-        layout[dtype] = (start + pool.get(dtype, 0) if dtype in pool else on_chip[dtype], start)
-    return layout
-
-
-def _dynamic_shared_regions(staged: StagedProgram, items: list) -> dict[str, tuple[int, int, int]]:
-    """Per dtype, where its region of the kernel's one dynamic shared allocation starts (bytes,
-    on ``POOL_ALIGN_BYTES``), its elements, and where the stages' pool starts in it
-    (``dynamic_shared_layout``): the regions one after the other."""
-    regions, end = {}, 0
-    for dtype, (n, start) in dynamic_shared_layout(staged, items).items():
-        regions[dtype] = (end, n, start)
+        elements[load.dtype] = elements.get(load.dtype, 0) + load.elements
+    on_chip, end = {}, 0
+    for dtype, n in elements.items():
+        on_chip[dtype] = end
         end = align(end + n * np.dtype(dtype).itemsize, POOL_ALIGN_BYTES)
-    return regions
-
-
-def _cleared_words(regions: dict[str, tuple[int, int, int]]) -> tuple[int, list[tuple[int, int]]]:
-    """The dynamic shared allocation's size in 4-byte words, and the ranges of words zeroed when
-    the kernel starts (``_cleared``): every stage pool. The on-chip weights are not: other threads
-    load them, unsynchronized with the zeroing. Where there is no pool, one spare word at the end
-    is zeroed instead, for TVM's ``StorageRewrite``, which refuses an allocation that no statement
-    loads or stores directly."""
-    words, cleared = 0, []
-    for dtype, (offset, n, start) in regions.items():
-        itemsize = np.dtype(dtype).itemsize
-        words = align(offset + n * itemsize, POOL_ALIGN_BYTES) // 4  # the last region ends the allocation
-        if n > start:
-            cleared.append(((offset + start * itemsize) // 4, -(-(offset + n * itemsize) // 4)))
-    if words and not cleared:
-        cleared, words = [(words, words + 1)], words + 1
-    return words, cleared
+    stages = list(stages_in(items))
+    pool_bytes = max((pooled_shared(stage.func) for stage in stages), default=0)
+    dtypes = tuple(dict.fromkeys(str(buffer.dtype) for stage in stages for buffer, _ in pool_offsets(stage.func)))
+    return SharedLayout(on_chip, elements, end, pool_bytes, dtypes)
 
 
 def dynamic_shared_bytes(staged: StagedProgram, items: list) -> int:
-    return 4 * _cleared_words(_dynamic_shared_regions(staged, items))[0]
+    return 4 * shared_layout(staged, items).words
 
 
-def _dynamic_shared(staged: StagedProgram, items: list) -> tuple[list[tirx.Stmt], dict[str, tuple[tirx.Buffer, int]]]:
-    """The kernel's dynamic shared memory: ONE allocation, and each dtype's region a view into
-    it; returns its statements and, per dtype, (the region, where the stages' pool starts in it).
-    With one allocation per dtype, TVM's ``MergeSharedMemoryAllocations`` placed a float32
-    and a float16 region at the same bytes: it takes an allocation to be live only where it is
-    accessed directly, and the stages reach their regions through views. The allocation is
-    float32 so that zeroing the pools (``_cleared``) takes a store per 4 bytes."""
-    regions = _dynamic_shared_regions(staged, items)
-    words, cleared = _cleared_words(regions)
-    if not words:
-        return [], {}
-    allocation = tirx.decl_buffer((words,), "float32", name="on_chip", scope="shared.dyn")
-    memory = {dtype: tirx.decl_buffer((n,), dtype, name=f"on_chip_{dtype}", scope="shared.dyn")
-              for dtype, (_, n, _) in regions.items()}
-    stmts = [tirx.AllocBuffer(allocation)]
-    stmts += [_cleared(allocation, first, last, staged.threads) for first, last in cleared]
-    stmts += [tirx.DeclBuffer(memory[dtype], data=BufferRef(allocation, offset // 4, None).pointer())
-              for dtype, (offset, _, _) in regions.items()]
-    return stmts, {dtype: (memory[dtype], start) for dtype, (_, _, start) in regions.items()}
+def _dynamic_shared(staged: StagedProgram, items: list) -> tuple[list[tirx.Stmt], dict, dict]:
+    """The kernel's dynamic shared memory: ONE allocation (``SharedLayout``), each dtype's on-chip
+    region and each dtype's view of the pool a view into it; returns its statements, the on-chip
+    regions by dtype and the pool's views by dtype (each with the element it starts at, 0). With
+    one allocation per dtype, TVM's ``MergeSharedMemoryAllocations`` placed a float32 and a
+    float16 region at the same bytes: it takes an allocation to be live only where it is accessed
+    directly, and the stages reach their regions through views. The allocation is float32 so that
+    zeroing the pool (``_cleared``) takes a store per 4 bytes."""
+    layout = shared_layout(staged, items)
+    if not layout.words:
+        return [], {}, {}
+    allocation = tirx.decl_buffer((layout.words,), "float32", name="on_chip", scope="shared.dyn")
+    stmts = [tirx.AllocBuffer(allocation), _cleared(allocation, *layout.cleared(), staged.threads)]
+    memory = {}
+    for dtype, offset in layout.on_chip.items():
+        memory[dtype] = tirx.decl_buffer((layout.on_chip_elements[dtype],), dtype, name=f"on_chip_{dtype}",
+                                         scope="shared.dyn")
+        stmts.append(tirx.DeclBuffer(memory[dtype], data=BufferRef(allocation, offset // 4, None).pointer()))
+    pools = {}
+    for dtype in layout.pool_dtypes:
+        view = tirx.decl_buffer((layout.pool_bytes // np.dtype(dtype).itemsize,), dtype, name=f"pool_{dtype}",
+                                scope="shared.dyn")
+        stmts.append(tirx.DeclBuffer(view, data=BufferRef(allocation, layout.pool // 4, None).pointer()))
+        pools[dtype] = (view, 0)
+    return stmts, memory, pools
 
 
 def persistent_kernel(staged: StagedProgram, items: list | None = None, counters: tuple = (),
@@ -177,8 +183,7 @@ def persistent_kernel(staged: StagedProgram, items: list | None = None, counters
     grid = tirx.Var(GRID_PARAM, "int32")
     whole = items is None
     items = staged.items if whole else items
-    allocations, pools = _dynamic_shared(staged, items)
-    memory = {dtype: region for dtype, (region, _) in pools.items()}
+    allocations, memory, pools = _dynamic_shared(staged, items)
     views = slot_views(staged, None if whole else items)
     body = seq(allocations + views + _statements(items, block, grid, staged.threads, memory, pools))
     binding = tirx.IterVar(tvm.ir.Range(0, grid), block, tirx.IterVar.ThreadIndex, "blockIdx.x")

@@ -391,7 +391,9 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     ``fragments_i + fragments_j`` fragments from shared memory (512 bytes each) and issues its
     ``mma_sync``s; the block synchronizes again. At the end each warp stores its accumulators to
     shared memory (1 KB per fragment), the block synchronizes, and the tile is read back and
-    stored to global memory ``VECTOR`` elements per instruction, the epilogue computed on the way."""
+    stored to global memory ``VECTOR`` elements per instruction, the epilogue computed on the way.
+    A tile whose slices are copied by cp.async waits on memory once for every ``async_stages - 1``
+    chunks (that many are in flight together), where the register pipeline waits once a chunk."""
     schedule = stage.schedule
     reduction = _reduction(stage)
     tile = schedule.tensor_core_tile
@@ -400,6 +402,9 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     terms = _reduction_length(reduction)
     chunks = -(-terms // tile.depth)
     steps = chunks * tile.k_fragments
+    # the chunks whose loads one wait covers: one a chunk, or with a ring of cp.async copies, the
+    # ``async_stages - 1`` chunks in flight together
+    in_flight = tile.async_stages - 1 if tile.copies_async else 1
     operand = str(reduction.op.input_tensors[0].dtype)  # both operands', at the tensor-core peak of their dtype
     element, out = np.dtype(operand).itemsize, np.dtype(str(stage.tensor.dtype)).itemsize
     peak_dtype = "tf32" if operand == "float32" else operand  # float32 operands are multiplied in TF32
@@ -421,7 +426,7 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     return StageWork(
         name=stage.name, template="tensor_core", dtype=peak_dtype, executions=executions,
         n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
-        blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=True, gemm=True, memory_steps=chunks + 1,
+        blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=True, gemm=True, memory_steps=-(-chunks // in_flight) + 1,
         on_chip_steps=steps + 2, block_barriers=2 * chunks + 2, accesses=accesses, l2_read_bytes=slices,
         issued_flops=issued,
         dram_bytes=round(min(read_bytes, slices * schedule.n_tiles) + dram.written),

@@ -50,6 +50,7 @@ exactly the tiles the GPU runs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from functools import reduce as _fold
 
@@ -676,9 +677,12 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
     for tile in TILES + NARROW_TILES + (TF32_TILES + TF32_NARROW_TILES if tf32 else ()):
         min_use = NARROW_MIN_USE if tile.narrow else MATMUL_MIN_USE
         scheduled = tensor_core_schedule(func, tile, threads, min_use, MATMUL_MIN_USE)
-        stage = None if scheduled is None else _stitchable(scheduled, "tensor_core", threads, tile.pipelined)
+        if scheduled is None:
+            continue
+        scheduled, applied = scheduled
+        stage = _stitchable(scheduled, "tensor_core", threads, applied.pipelined)
         if stage is not None:
-            found.append((stage[0], dataclasses.replace(stage[1], tensor_core_tile=tile)))
+            found.append((stage[0], dataclasses.replace(stage[1], tensor_core_tile=applied)))
     return found
 
 
@@ -708,7 +712,7 @@ def _stitchable(scheduled: s_tir.Schedule, template: str, threads: int,
         return None  # mostly idle threads (a GEMV's one row in tiles of 128)
     compacted = _compacted(func, pipelined)
     folded = _fold_block_indices(compacted, _block_index_nest(compacted))
-    shared = sum(n * tvm.runtime.DataType(dtype).bits // 8 for dtype, n in pooled_shared(folded).items())
+    shared = pooled_shared(folded)
     schedule = StageSchedule(template, n_tiles, _product(box), threads, outputs, shared,
                              tile_relation=relation.to_str(), box=box)
     return folded, schedule
@@ -930,32 +934,93 @@ def _tile_box(relation: isl.Map) -> tuple[int, ...]:
 POOL_ALIGN_BYTES = 32  # a pooled buffer starts on 32 bytes: wmma's load and store need 256-bit aligned pointers
 
 
-def pool_align(dtype: str) -> int:
-    """Elements of ``dtype`` in ``POOL_ALIGN_BYTES``."""
-    return POOL_ALIGN_BYTES * 8 // tvm.runtime.DataType(dtype).bits
-
-
 def pool_offsets(func: tirx.PrimFunc) -> list[tuple[tirx.Buffer, int]]:
     """Each shared buffer that ``func``'s inner blocks allocate, and the element where it starts
-    in the kernel's pool of its dtype (``codegen.tiled.pool_shared``): one after the other, each
-    on ``POOL_ALIGN_BYTES``."""
-    ends: dict[str, int] = {}
-    placed = []
-    for buffer in _inner_shared(func.body):
-        dtype = str(buffer.dtype)
-        offset = align(ends.get(dtype, 0), pool_align(dtype))
-        ends[dtype] = offset + buffer_elements(buffer)
-        placed.append((buffer, offset))
+    in the kernel's pool (``codegen.tiled.pool_shared``), counted in its own dtype: the pool is
+    one run of bytes for every dtype (``codegen.cuda``'s views of it, one per dtype, all from its
+    first byte), each buffer on ``POOL_ALIGN_BYTES`` (``_pool_bytes``)."""
+    return [(buffer, offset * 8 // tvm.runtime.DataType(buffer.dtype).bits) for buffer, offset in _pool_bytes(func)]
+
+
+def pooled_shared(func: tirx.PrimFunc) -> int:
+    """Bytes ``func``'s shared buffers take in the kernel's pool."""
+    return max((offset + _buffer_bytes(buffer) for buffer, offset in _pool_bytes(func)), default=0)
+
+
+def _buffer_bytes(buffer: tirx.Buffer) -> int:
+    return buffer_elements(buffer) * tvm.runtime.DataType(buffer.dtype).bits // 8
+
+
+def _pool_bytes(func: tirx.PrimFunc) -> list[tuple[tirx.Buffer, int]]:
+    """Each inner shared buffer of ``func`` and its first byte in the pool, in the order they are
+    allocated, each at the lowest offset on ``POOL_ALIGN_BYTES`` where it meets no buffer used in
+    the same span of the stage (``_spans``): a tensor-core tile's float32 accumulators, stored
+    once the last chunk's fragments are loaded, share bytes with the operand slices (a 128 x 128
+    tile: 64 KB of accumulators in the 108 KB of its three copies of the slices, where apart they
+    took 172 KB, more than two blocks of an SM can have). The block's barriers between the
+    slices' last reads and the accumulators' first stores are TVM's, as it pools the two itself;
+    the thread-level validator checks them."""
+    buffers = list(_inner_shared(func.body))
+    spans = _spans(func, buffers)
+    placed: list[tuple[tirx.Buffer, int]] = []
+    for buffer in buffers:
+        size = _buffer_bytes(buffer)
+        live = [(offset, offset + _buffer_bytes(other)) for other, offset in placed
+                if not (spans[buffer][1] < spans[other][0] or spans[other][1] < spans[buffer][0])]
+        for start in sorted({0} | {align(end, POOL_ALIGN_BYTES) for _, end in live}):
+            if all(start + size <= low or high <= start for low, high in live):
+                placed.append((buffer, start))
+                break
     return placed
 
 
-def pooled_shared(func: tirx.PrimFunc) -> dict[str, int]:
-    """Elements of each dtype ``func``'s shared buffers take in the kernel's pool."""
-    sizes: dict[str, int] = {}
-    for buffer, offset in pool_offsets(func):
-        dtype = str(buffer.dtype)
-        sizes[dtype] = max(sizes.get(dtype, 0), offset + buffer_elements(buffer))
-    return sizes
+def _spans(func: tirx.PrimFunc, buffers: list[tirx.Buffer]) -> dict:
+    """Each buffer's span in ``func``: the first and last block (in program order) that reads or
+    writes it, widened to the whole of every loop it is used in (its iterations interleave the
+    uses), except the tile loop and the loops over threads, which every use shares."""
+    uses: dict = {id(b): [] for b in buffers}
+    loops: list[tuple[int, int]] = []
+    counter = itertools.count()
+
+    def visit(stmt, top: bool):
+        if isinstance(stmt, s_tir.SBlockRealize):
+            visit(stmt.block, top)
+        elif isinstance(stmt, s_tir.SBlock):
+            position = next(counter)
+            touched = [r.source for r in [*stmt.reads, *stmt.writes]]
+            for buffer in buffers:
+                if any(t.same_as(buffer) for t in touched):
+                    uses[id(buffer)].append(position)
+            visit(stmt.body, False)
+        elif isinstance(stmt, tirx.SeqStmt):
+            for child in stmt.seq:
+                visit(child, top)
+        elif isinstance(stmt, tirx.For):
+            first = next(counter)
+            visit(stmt.body, False)
+            if not top and stmt.kind != tirx.ForKind.THREAD_BINDING:
+                loops.append((first, next(counter)))
+        elif isinstance(stmt, tirx.IfThenElse):
+            visit(stmt.then_case, top)
+            if stmt.else_case is not None:
+                visit(stmt.else_case, top)
+        elif hasattr(stmt, "body"):
+            visit(stmt.body, top)
+
+    realize = func.body
+    visit(realize.block.body if isinstance(realize, s_tir.SBlockRealize) else realize, True)
+    spans = {}
+    for buffer in buffers:
+        positions = uses[id(buffer)] or [0]
+        low, high = min(positions), max(positions)
+        widened = True
+        while widened:
+            widened = False
+            for first, last in loops:
+                if low <= last and first <= high and (first < low or high < last):
+                    low, high, widened = min(low, first), max(high, last), True
+        spans[buffer] = (low, high)
+    return spans
 
 
 def _inner_shared(stmt, root: bool = True):

@@ -114,11 +114,15 @@ class _Stager(Stitcher):
     def stage(self, name: str, tensor: te.Tensor, placeholders: list[te.Tensor], reads: list[BufferRef],
               write: BufferRef, epilogue: str | None = None) -> Stage:
         """The stage with the schedule the latency model estimates fastest on ``device`` (the
-        first candidate, dlight's matmul where it applies, on a tie or with no device)."""
+        first candidate, dlight's matmul where it applies, on a tie or with no device), among
+        those whose shared memory a block of ``device`` can have (a 128 x 128 tensor-core tile's
+        ring of cp.async copies takes 172 KB, more than an A100's block)."""
         label = self.unique(name)
         stages = [Stage(label, tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
                   for func, schedule in schedule_candidates(tensor, placeholders, self.gpu, self.threads, epilogue,
                                                                  self.tf32)]
+        if self.device is not None and self.device.smem_per_block:
+            stages = [s for s in stages if s.schedule.shared_bytes <= self.device.smem_per_block] or stages[-1:]
         if len(stages) == 1 or self.device is None:
             return stages[0]
         traffic = stage_traffic(stages[0])  # the same bytes whichever schedule reads them

@@ -15,18 +15,21 @@ fragments a ``TensorCoreTile`` says, for ``threads / 32`` warps:
 - the accumulators go through shared memory (a tile of float32, rows not padded: dlight's
   padding of it does not survive its ``reverse_compute_at``) to the output, where the stage's
   epilogue (the rounding to float16 or bfloat16, a bias, an activation) is computed on the way out.
-- software pipelined (``TensorCoreTile.pipelined``, as dlight does it): each thread loads its share
-  of the next chunk's slices from global memory into registers before the warps compute on this
-  chunk, and stores them into the slices once the block has synchronized after the ``mma_sync``s,
-  so that the loads' latency overlaps the tensor cores' work (TVM's
-  ``ManifestSharedMemoryLocalStage`` and ``InjectSoftwarePipeline``, run on the stage before it
-  is stitched: ``codegen.schedule._compacted``). One copy of each slice suffices, as TVM finds:
-  in each iteration the fragments' loads of this chunk come before the stores of the next. The
-  cost is (``rows`` + ``columns``) x ``depth`` / (2 x threads) registers per thread (32 for a
-  128 x 128 tile); the H100 took 1.8-1.9 us per chunk of paper BERT fp16's 128 x 128 tiles
-  unpipelined, about 4x their compute. Plain loads and stores: TVM's asynchronous copies
-  (``cp.async``, which dlight does not ask for either) are left out, as the thread-level
-  validator and the emulator do not model them.
+- software pipelined with asynchronous copies (``TensorCoreTile.async_stages``, as MetaSchedule's
+  tensor-core rule asks for them): the slices are a ring of ``ASYNC_STAGES`` copies in shared
+  memory, and each thread issues its share of a chunk's copies (``cp.async``, global to shared
+  memory without registers) two chunks before the warps compute on it, commits them as one group,
+  and waits (``cp.async.wait_group``) for the oldest group before the block synchronizes to
+  compute on it (TVM's ``InjectSoftwarePipeline`` and, under ``tirx.use_async_copy``,
+  ``InjectPTXAsyncCopy``). The H100 took 1.8-1.9 us per chunk of paper BERT fp16's 128 x 128 tiles
+  unpipelined, about 4x their compute, and about 1 us with the next chunk loaded one chunk ahead.
+  An operand not read in whole vectors (``_copies_whole_vectors``) keeps that register pipeline
+  (``pipeline_chunks``: each thread loads the next chunk into registers before the warps compute
+  on this one, and stores them into the one copy of the slices after; TVM's
+  ``ManifestSharedMemoryLocalStage``), as do the tiles of the ``register-pipeline`` variant. Both
+  pipelines run on the stage before it is stitched (``codegen.schedule._compacted``). The
+  thread-level validator matches each cp.async with the wait that retires it and the emulator
+  lands each copy only at that wait (``souffle.runtime.emulated``).
 
 TVM registers wmma intrinsics for float16 operands only; bfloat16's (m16n16k16, sm_80 and up) and
 TF32's (m16n16k8, sm_80 and up) are registered here from TVM's own generators (``wmma_intrinsics``).
@@ -51,10 +54,15 @@ import functools
 import inspect
 from dataclasses import dataclass
 
+import islpy as isl
+import tvm
 from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline_producers, get_index_map,
                                          get_reduction_blocks)
+
+from analysis.dependence import IslWriter, NotAffine
 
 FRAGMENT = 16  # the rows and columns of every wmma fragment this schedule uses
 # wmma's reduction depth per operand dtype: m16n16k16 for float16 and bfloat16, m16n16k8 for float32
@@ -75,8 +83,12 @@ class TensorCoreTile:
     fragments_i: int
     fragments_j: int
     k_fragments: int = 4
-    pipelined: bool = True  # the next chunk loaded into registers while the warps compute on this one
+    pipelined: bool = True  # the next chunks loaded while the warps compute on this one
     fragment_k: int = FRAGMENT  # terms per fragment: 16, or 8 for TF32 (``FRAGMENT_K``)
+    # Pipelined with asynchronous copies (``cp.async``): this many copies of the slices in shared
+    # memory, a ring in which ``async_stages - 1`` chunks are in flight while the warps compute on
+    # one. 0: pipelined through registers, one chunk ahead (``pipeline_chunks``).
+    async_stages: int = 0
 
     @property
     def rows(self) -> int:
@@ -99,17 +111,32 @@ class TensorCoreTile:
         """One of ``NARROW_TILES``' shapes: at most ``NARROW_COLUMNS`` columns."""
         return self.columns <= NARROW_COLUMNS
 
+    @property
+    def copies_async(self) -> bool:
+        """Whether the slices are copied with ``cp.async`` into a ring of ``async_stages`` copies."""
+        return self.pipelined and self.async_stages >= 2
+
     def __str__(self):
+        pipeline = (f", {self.async_stages}-stage cp.async pipeline" if self.copies_async
+                    else ", pipelined" if self.pipelined else "")
         return f"{self.rows}x{self.columns}x{self.depth} ({self.warps_i}x{self.warps_j} warps of " \
-               f"{self.fragments_i}x{self.fragments_j} fragments{', pipelined' if self.pipelined else ''})"
+               f"{self.fragments_i}x{self.fragments_j} fragments{pipeline})"
 
 
+# Copies of the slices in the cp.async ring of the wide tiles: two chunks in flight while the warps
+# compute on a third (a 128 x 128 tile's slices: 108 KB of shared memory, 36 KB a copy).
+ASYNC_STAGES = 3
 # The tiles a stage may take on 8 warps (the latency model picks one per stage): 128 x 128 reuses
 # each slice most, 64 x 64 gives a small GEMM (paper BERT's 384 x 768) enough tiles for the SMs.
-TILES = (TensorCoreTile(2, 4, 4, 2), TensorCoreTile(2, 4, 2, 2), TensorCoreTile(2, 4, 2, 1))
+TILES = tuple(TensorCoreTile(2, 4, i, j, async_stages=ASYNC_STAGES) for i, j in ((4, 2), (2, 2), (2, 1)))
 # The same tiles for float32 operands in TF32: m16n16k8 fragments, 32 terms a chunk, so that the
 # float32 slices take the shared memory of the 16-bit tiles' 64 terms.
-TF32_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"]) for tile in TILES)
+# Their ring of cp.async copies is two deep: three copies of a 128 x 128 tile's float32 slices
+# would take 120 KB, more than two blocks of an H100 SM may have (the partition then split Swin at
+# tf32 into 8 kernels, where 2 copies, 80 KB, keep it in 2).
+TF32_ASYNC_STAGES = 2
+TF32_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"], async_stages=TF32_ASYNC_STAGES)
+                   for tile in TILES)
 # Tiles one or two fragments wide, for a GEMM of at most ``NARROW_COLUMNS`` columns (a grouped
 # convolution's group: paper ResNeXt's 16 or 32 output channels), which the tiles above would
 # leave three quarters empty, and for a wider GEMM that no tile above fills to half (paper
@@ -186,6 +213,19 @@ def wmma_intrinsics(operand_dtype: str) -> dict[str, str]:
     return group
 
 
+def pipeline_chunks_async(sch: s_tir.Schedule, chunk, copies, stages: int) -> None:
+    """Software-pipeline the loop ``chunk`` over chunks of a GEMM's reduction with asynchronous
+    copies, as MetaSchedule's tensor-core rule asks for them (``software_pipeline_async_stages``):
+    both operands' ``copies`` into shared memory run ``stages - 1`` iterations ahead of the product,
+    each slice in a ring of ``stages`` copies (TVM's ``InjectSoftwarePipeline`` sizes the ring),
+    issued as ``cp.async`` (``InjectPTXAsyncCopy``, under ``tirx.use_async_copy``), committed as one
+    group per chunk and waited on (``cp.async.wait_group``) before the block synchronizes to compute
+    on them. No register stage: the copies go from global to shared memory directly."""
+    sch.annotate(chunk, "software_pipeline_stage", [0, 0, stages - 1])
+    sch.annotate(chunk, "software_pipeline_order", [0, 1, 2])
+    sch.annotate(chunk, "software_pipeline_async_stages", [0])
+
+
 def pipeline_chunks(sch: s_tir.Schedule, chunk, copies) -> None:
     """Software-pipeline the loop ``chunk`` over chunks of a GEMM's reduction, whose body is the
     two operands' ``copies`` into shared memory and the product: each copy gets a register stage
@@ -200,6 +240,60 @@ def pipeline_chunks(sch: s_tir.Schedule, chunk, copies) -> None:
     # the loop's body then: A to registers, A to shared, W to registers, W to shared, the product
     sch.annotate(chunk, "software_pipeline_order", [0, 3, 1, 4, 2])
     sch.annotate(chunk, "software_pipeline_stage", [0, 0, 0, 0, 1])
+
+
+def _copies_whole_vectors(sch: s_tir.Schedule, copy) -> bool:
+    """Whether ``copy`` (an operand's copy into its slice, its producers inlined) reads ``VECTOR``
+    consecutive elements of the operand for each vector it stores, what a cp.async moves: isl finds
+    no element of a vector (``VECTOR`` consecutive values of the copy's last iterator, from a
+    multiple of ``VECTOR``) whose successor in the vector is not the next element in memory. TVM's
+    ``InjectPTXAsyncCopy`` makes a cp.async of any vectorized copy into shared memory, also of a
+    vector gathered from strided elements (a batched product's second operand read along its
+    rows, BERT's P.V), which then copies the wrong elements: such a copy stays in the register
+    pipeline. A head's slice of merged heads (``k % 64``) is read in whole vectors."""
+    block = sch.get(copy)
+    if not isinstance(block.body, tirx.BufferStore) or _extent_of(sch, sch.get_loops(copy)[-1]) != VECTOR:
+        return False
+    loads = []
+
+    def visit(e):
+        if isinstance(e, TensorLoad):
+            loads.append(e)
+        for name in ("a", "b", "value", "condition", "true_value", "false_value"):
+            if isinstance(getattr(e, name, None), tirx.Expr):
+                visit(getattr(e, name))
+        if isinstance(e, tvm.ir.Call):
+            for arg in e.args:
+                visit(arg)
+
+    visit(block.body.value)
+    names = [f"b{k}" for k in range(len(block.iter_vars))]
+    last = names[-1]
+    domain = [f"{int(iv.dom.min)} <= {name} < {int(iv.dom.min) + int(iv.dom.extent)}"
+              for iv, name in zip(block.iter_vars, names)]
+    here = IslWriter([(iv.var, name) for iv, name in zip(block.iter_vars, names)])
+    then = IslWriter([(iv.var, name if name != last else f"({last} + 1)") for iv, name in zip(block.iter_vars, names)])
+    if not loads:
+        return False
+    for load in loads:
+        strides = [1]
+        for extent in reversed(load.source.shape[1:]):
+            strides.insert(0, strides[0] * int(extent))
+        try:
+            offsets = [" + ".join(f"{stride} * {writer.index(i).text}" for stride, i in zip(strides, load.indices))
+                       for writer in (here, then)]
+        except NotAffine:
+            return False
+        apart = isl.Set(f"{{ [{', '.join(names)}] : {' and '.join(domain)} and ({last} mod {VECTOR}) < {VECTOR - 1} "
+                        f"and {offsets[1]} != {offsets[0]} + 1 }}")
+        if not apart.is_empty():
+            return False
+    return True
+
+
+def _extent_of(sch: s_tir.Schedule, loop) -> int | None:
+    extent = sch.get(loop).extent
+    return int(extent.value) if isinstance(extent, tirx.IntImm) else None
 
 
 def _operand_dtypes(tile: TensorCoreTile) -> tuple[str, ...]:
@@ -232,7 +326,7 @@ def _fills(rows: int, columns: int, tile: TensorCoreTile, share: float) -> bool:
 
 
 def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int,
-                         min_use: float = 0.0, wide_min_use: float = 0.0) -> s_tir.Schedule | None:
+                         min_use: float = 0.0, wide_min_use: float = 0.0) -> tuple[s_tir.Schedule, TensorCoreTile] | None:
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
     without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
     ``threads`` threads, padded to whole tiles, or None where it does not fit: other dtypes, not
@@ -240,7 +334,9 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     or one whose padded tiles the GEMM's outputs would fill less than ``min_use`` of, or a narrow
     tile for a GEMM wider than ``NARROW_COLUMNS`` that a wide tile fills to ``wide_min_use``. Its
     tiles are bound to ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them. An operand
-    computed under a condition (``codegen.schedule.gathered_operands``) is copied element-wise."""
+    computed under a condition (``codegen.schedule.gathered_operands``) is copied element-wise.
+    Returned with the tile as scheduled: one that asks for cp.async copies of operands that are not
+    read in whole vectors (``_copies_whole_vectors``) gets the register pipeline instead."""
     if tile.warps * WARP != threads:
         return None
     sch = s_tir.Schedule(func)
@@ -315,10 +411,14 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         return copy
 
     a_shared, b_shared = stage_in_shared(0), stage_in_shared(1)
-    if tile.pipelined:
-        pipeline_chunks(sch, k_chunk, (a_shared, b_shared))
     auto_inline_producers(sch, a_shared)
     auto_inline_producers(sch, b_shared)
+    if tile.copies_async and not all(_copies_whole_vectors(sch, copy) for copy in (a_shared, b_shared)):
+        tile = dataclasses.replace(tile, async_stages=0)
+    if tile.copies_async:
+        pipeline_chunks_async(sch, k_chunk, (a_shared, b_shared), tile.async_stages)
+    elif tile.pipelined:
+        pipeline_chunks(sch, k_chunk, (a_shared, b_shared))
     a_fragment = sch.cache_read(outer, 0, "wmma.matrix_a")
     b_fragment = sch.cache_read(outer, 1, "wmma.matrix_b")
     sch.compute_at(a_fragment, k_fragment)
@@ -367,4 +467,4 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     _, lane, vector = sch.split(fused, [None, WARP, VECTOR])
     sch.bind(lane, "threadIdx.x")
     sch.vectorize(vector)
-    return sch
+    return sch, tile

@@ -42,10 +42,10 @@ def parameters_used(staged: StagedProgram, items: list) -> list[tirx.Buffer]:
 
 def pool_shared(func: tirx.PrimFunc, pools: dict[str, tuple[tirx.Buffer, int]]) -> tuple[tirx.PrimFunc, list]:
     """``func`` without the shared buffers its inner blocks allocate (a matmul stage's operand
-    slices, ``codegen.schedule``), and their declarations as views into the kernel's pool of
-    their dtype, one after the other from its start (``pools``: dtype -> buffer, element where
-    the pool starts in it), to put before the stage: every stage reuses the pool, so the
-    kernel needs the most one stage needs, not the sum. No barrier is added between two stages
+    slices and accumulators, ``codegen.schedule``), and their declarations as views into the
+    kernel's pool where ``codegen.schedule.pool_offsets`` places them (``pools``: dtype -> the
+    pool read as that dtype, the element where it starts), to put before the stage: every stage
+    reuses the pool, so the kernel needs the most one stage needs, not the sum. No barrier is added between two stages
     that use it: a matmul stage's first write of its slices already follows a
     ``__syncthreads``, which TVM's ``ThreadSync`` puts there because the persistent tile loop
     rewrites the slices the previous tile read (the thread-level validator checks it, and

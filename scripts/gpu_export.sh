@@ -28,6 +28,8 @@ export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir"
 # compiler variants (benchmarks/gpu_variants.py), each timed beside its base: what the last GPU run
 # asked (two-blocks and occupancy were timed on the H100: benchmarks/results/gpu_h100.md; no-on-chip
 # too, when the weights were placed for one block per SM)
+"${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert swin resnext --variant register-pipeline
+"${export[@]}" --configs paper --levels 4 --precisions tf32 --models bert --variant register-pipeline
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models bert swin resnext --variant no-split-k
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models bert resnext --variant split-k-256
 "${export[@]}" --configs paper --levels 4 --precisions fp32 --models bert resnext swin --variant k-chunk-32

@@ -47,6 +47,19 @@ def tensor_cores_wherever_they_apply(monkeypatch):
 
 
 @pytest.fixture
+def register_pipeline(monkeypatch):
+    """The wide tensor-core tiles (16-bit and TF32) pipelined through registers, one chunk ahead
+    (the ``register-pipeline`` variant), not by a ring of cp.async copies."""
+    import dataclasses
+
+    from codegen import schedule
+
+    for name in ("TILES", "TF32_TILES"):
+        monkeypatch.setattr(schedule, name, tuple(dataclasses.replace(t, async_stages=0)
+                                                  for t in getattr(schedule, name)))
+
+
+@pytest.fixture
 def rng():
     """Seeded per test, so every test's inputs are reproducible on their own."""
     return np.random.default_rng(0)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import souffle
+from codegen.tensor_core import ASYNC_STAGES
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.runtime.emulated import kernel_signature
@@ -100,14 +101,22 @@ def test_k_chunk_32_stages_twice_the_terms_of_each_operand_slice():
 def test_tc_depth_128_stages_128_terms_per_tensor_core_chunk():
     base, deeper = _gemm_stage("fp16"), _gemm_stage("fp16", "tc-depth-128")
     assert (base.tensor_core_tile.depth, deeper.tensor_core_tile.depth) == (64, 128)
+    assert (base.tensor_core_tile.async_stages, deeper.tensor_core_tile.async_stages) == (ASYNC_STAGES, 2)
     assert _gemm_stage("fp16").tensor_core_tile.depth == 64
 
 
 def test_no_pipeline_gives_the_gemm_stages_no_software_pipeline():
     base, plain = _gemm_stage("fp16"), _gemm_stage("fp16", "no-pipeline")
-    assert base.tensor_core_tile.pipelined and not plain.tensor_core_tile.pipelined
-    assert (base.shared_bytes, base.box) == (plain.shared_bytes, plain.box)  # one copy of each slice either way
+    assert base.tensor_core_tile.copies_async and not plain.tensor_core_tile.pipelined
+    # one copy of each 64 x 64 slice (rows padded to 72 halves) without the pipeline, the cp.async ring's three with it
+    assert base.box == plain.box and base.shared_bytes - plain.shared_bytes == (ASYNC_STAGES - 1) * 2 * 64 * 72 * 2
     assert _gemm_stage("fp16").tensor_core_tile.pipelined
+
+
+def test_register_pipeline_stages_the_next_chunk_in_registers_in_one_copy_of_the_slices():
+    base, registers = _gemm_stage("fp16"), _gemm_stage("fp16", "register-pipeline")
+    assert registers.tensor_core_tile.pipelined and not registers.tensor_core_tile.copies_async
+    assert base.box == registers.box and base.shared_bytes - registers.shared_bytes == (ASYNC_STAGES - 1) * 2 * 64 * 72 * 2
     from codegen import schedule
 
     with gpu_variants.applied("no-pipeline"):

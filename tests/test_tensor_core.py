@@ -23,8 +23,9 @@ import souffle
 from analysis.threads import WARP_COLLECTIVE
 from analysis.device import H100
 from codegen.latency import latency_estimate
-from codegen.schedule import MATMUL_MIN_USE, NARROW_MIN_USE, matmul_stage, tensor_core_stages
-from codegen.tensor_core import NARROW_TILES, TILES
+from codegen.schedule import (MATMUL_MIN_USE, NARROW_MIN_USE, buffer_elements, matmul_stage, pool_offsets, pooled_shared,
+                              tensor_core_stages)
+from codegen.tensor_core import ASYNC_STAGES, NARROW_TILES, TILES
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
@@ -64,9 +65,10 @@ def test_a_dense_gets_one_candidate_per_tile_that_fits_it():
             assert f"T.{intrinsic}(" in text, intrinsic  # TVM's wmma intrinsics, tensorized
         assert text.count('thread="blockIdx') == 1 and "wmma.accumulator" in text  # one loop of tiles
     _, small = stages[-1]
-    # the 64 x 64 tile: its float32 accumulators (staged through shared memory to the output), and
-    # both operands' 64 x 64 slices, rows padded to 72 halves, the second on 32 bytes (wmma's alignment)
-    assert small.shared_bytes == 64 * 64 * 4 + (64 * 72 + 63 * 72 + 64) * 2
+    # the 64 x 64 tile: the cp.async ring's three copies of both operands' 64 x 64 slices, rows
+    # padded to 72 halves (the last row of the last not padded); its float32 accumulators (staged
+    # through shared memory to the output once the slices are read) share their bytes
+    assert small.shared_bytes == (ASYNC_STAGES * 2 * 64 * 72 - 8) * 2 > 64 * 64 * 4
 
 
 def test_tensor_cores_are_not_used_where_they_do_not_fit():
@@ -137,30 +139,32 @@ def _kernel(graph) -> mutants.Kernel:
     return kernel
 
 
-@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply", "register_pipeline")
 def test_the_validator_reads_wmma_tiles_and_catches_a_missing_syncthreads():
     """The validator accepts the pipelined tensor-core kernel (4 chunks: a prologue, the pipeline's
     loop twice, its epilogue) and refuses it without each __syncthreads that orders a chunk's
     slices stored (from the registers that loaded them) before the fragments' loads, or the loads
     before the next stores into the same copy, and the accumulators' stores (wmma, lane by lane)
-    before the block reads them back. Two guard nothing here, so dropping either is accepted:
-    the one before the first chunk's stores (the previous tile last read that copy before the
-    accumulators' barriers) and the one before the accumulators' store (TVM puts it there because
-    it pools the slices and the accumulators in the same bytes, where the kernel gives the
-    float32 accumulators their own region)."""
+    before the block reads them back, and the one before the accumulators' store: the kernel's
+    pool gives the accumulators the slices' bytes (``codegen.schedule._pool_bytes``), so the
+    last fragments must be loaded before any warp stores over them. The one before the first
+    chunk's stores guards nothing here (the kernel has one tile, so no tile before it read
+    those bytes), and dropping it is accepted."""
     graph, _, _ = _relu_dense(128, 128, 256)
     kernel = _kernel(graph)
     assert mutants.validate(kernel).violations == ()
     dropped = mutants.sites(kernel)["drop_syncthreads"]
     assert len(dropped) == 6
     violations = [mutants.validate(kernel, make()).violations for _, make in dropped]
-    assert [bool(v) for v in violations] == [False, True, True, True, False, True], dropped
+    assert [bool(v) for v in violations] == [False, True, True, True, True, True], dropped
     for caught in violations[1:4]:  # the pipeline's: the operand slices
         assert any("compute_in_reindex_shared.dyn" in v for v in caught), caught
+    assert any("compute_in_reindex_shared.dyn" in v and "T_matmul_NT_reindex_shared.dyn" in v
+               for v in violations[4]), violations[4]  # the slices' last loads, the accumulators over them
     assert any("T_matmul_NT_reindex_shared.dyn" in v for v in violations[-1]), violations[-1]  # the accumulators
 
 
-@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply", "register_pipeline")
 def test_the_validator_catches_a_padded_tile_read_or_stored_past_the_gemm():
     """A padded tile's loads past the operands' edges are under a branch, its stores past the
     output's under a condition: without either, the validator finds the access out of bounds."""
@@ -177,6 +181,95 @@ def test_the_validator_catches_a_padded_tile_read_or_stored_past_the_gemm():
                           for store in mutants.statements(s.then_case))]
     unguarded_stores = mutants.replace_one(kernel.func, guarded, guarded.then_case)
     assert any("outside" in v for v in mutants.validate(kernel, unguarded_stores).violations)
+
+
+def _async_attributes(within, key: str) -> list:
+    """The attribute statements ``key`` of a function or a statement, in program order."""
+    body = within.body
+    return [s for s in mutants.statements(body) if isinstance(s, tirx.AttrStmt) and s.attr_key == key]
+
+
+def _with_waits_leaving(func, counts: dict) -> tirx.PrimFunc:
+    """``func`` with the k-th cp.async wait (in program order) leaving ``counts[k]`` groups in flight."""
+    waits = _async_attributes(func, "async_wait_inflight_count")
+    for k, count in counts.items():
+        wait = waits[k]
+        func = mutants.replace_one(func, wait, tirx.AttrStmt(wait.node, wait.attr_key, tirx.IntImm("int32", count),
+                                                              wait.body))
+        waits = _async_attributes(func, "async_wait_inflight_count")
+    return func
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_the_validator_reads_cp_async_pipelines_and_catches_their_faults():
+    """5 chunks of 64 terms in a ring of three slices: two issued before the pipeline's loop, three
+    iterations that each issue one chunk, wait for all but the latest two and compute on the oldest,
+    then two waits. The validator finds, for each copy, the wait that retires it, and refuses a wait
+    that leaves one group more in flight (the warps read a chunk still landing), one that leaves the
+    last copies in flight past the tile, a loop without the __syncthreads after its wait (other
+    threads' copies are read before they are known to have landed) or before its copies (they
+    overwrite the slices the slowest warps still read)."""
+    graph, _, _ = _relu_dense(128, 128, 320)
+    kernel = _kernel(graph)
+    assert "cp_async" in kernel.func.script() and mutants.validate(kernel).violations == ()
+    waits = [w.value.value for w in _async_attributes(kernel.func, "async_wait_inflight_count")]
+    assert waits == [2, 1, 0]  # the loop's, then the two after it
+    late = mutants.validate(kernel, _with_waits_leaving(kernel.func, {0: 3})).violations
+    assert late and all("is in flight" in v for v in late), late
+    assert any("still in flight at the end of a tile" in v
+               for v in mutants.validate(kernel, _with_waits_leaving(kernel.func, {2: 1})).violations)
+    tiles = mutants.tile_loops(kernel.func)
+    (loop,) = [s for s in mutants.statements(kernel.func.body) if isinstance(s, tirx.For)
+               and not any(s.same_as(t) for t in tiles) and _async_attributes(s, "async_wait_queue_scope")]
+    syncs = [s for s in mutants.statements(loop.body) if mutants.is_barrier(s, "tirx.tvm_storage_sync")]
+    assert len(syncs) == 2  # before the loop's copies, after its wait
+    for sync in syncs:
+        dropped = mutants.replace_one(kernel.func, sync, tirx.Evaluate(tirx.IntImm("int32", 0)))
+        assert any("no __syncthreads between them" in v for v in mutants.validate(kernel, dropped).violations)
+
+
+def test_the_accumulators_share_the_slices_bytes_in_the_pool_and_the_slices_do_not():
+    """The pool gives each of a stage's shared buffers bytes that no buffer in use at the same time
+    has: the two operands' slices (read chunk by chunk together) apart, the float32 accumulators
+    (stored after the last chunk) over them."""
+    (func, schedule), *_ = tensor_core_stages(_dense(256, 256, 128))
+    placed = {buffer.name: (offset * buffer.dtype.bits // 8, buffer_elements(buffer) * buffer.dtype.bits // 8)
+              for buffer, offset in pool_offsets(func)}
+    (accumulators,) = [name for name in placed if "T_matmul" in name]
+    a, b = sorted((name for name in placed if name != accumulators), key=lambda name: placed[name][0])
+    assert placed[a][0] + placed[a][1] <= placed[b][0]  # the slices apart
+    assert placed[accumulators][0] == 0 and placed[accumulators][1] == 128 * 128 * 4  # over the slices
+    assert schedule.shared_bytes == placed[b][0] + placed[b][1] == pooled_shared(func) < 128 * 128 * 4 + placed[b][1] * 2
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_the_validator_catches_a_padded_cp_async_read_past_the_gemm():
+    """A padded tile's cp.async copies read the operand only where their predicate holds (zeros
+    are stored elsewhere); copying unconditionally reads past the operand's edge."""
+    kernel = _kernel(_relu_dense(100, 132, 72)[0])
+    assert "cp_async" in kernel.func.script() and mutants.validate(kernel).violations == ()
+
+    def unpredicated(e):
+        if isinstance(e, tvm.ir.Call) and e.op.name == "tirx.s_tir.cp_async_raw" and len(e.args) == 6:
+            return tvm.ir.Call(e.op, [*e.args[:5], tirx.IntImm("int32", 1)], attrs=e.attrs, ret_ty=e.ty)
+        return e
+
+    copied = kernel.func.with_body(mutants.rewrite(kernel.func.body, lambda s: s, unpredicated))
+    assert not copied.same_as(kernel.func)
+    assert any("outside" in v for v in mutants.validate(kernel, copied).violations)
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_an_operand_gathered_from_strided_elements_is_not_copied_by_cp_async():
+    """TVM would make one 8-byte cp.async of a vector of four elements 768 apart (P.V's values read
+    along its rows), copying the wrong ones: such an operand keeps the register pipeline, and the
+    product stays right on emulated threads (tests/test_tensor_core.py's BERT)."""
+    graph = models.build("bert", BERT_GEMMS, seed=0)
+    stages = {s.name: s.schedule.tensor_core_tile for s in run_passes(graph, "cuda", stop="plan_arena", opt_level=4,
+                                                                        precision="fp16").ir.stages()
+              if s.schedule.tensor_core_tile}
+    assert not stages["bert_layer_r0/T_batch_matmul_NN+batch_matmul_13"].copies_async
+    assert all(tile.copies_async for name, tile in stages.items() if "batch_matmul_NN" not in name), stages
 
 
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
