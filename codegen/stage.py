@@ -115,8 +115,9 @@ class _Stager(Stitcher):
               write: BufferRef, epilogue: str | None = None) -> Stage:
         """The stage with the schedule the latency model estimates fastest on ``device`` (the
         first candidate, dlight's matmul where it applies, on a tie or with no device), among
-        those whose shared memory a block of ``device`` can have (a 128 x 128 tensor-core tile's
-        ring of cp.async copies takes 172 KB, more than an A100's block)."""
+        those whose shared memory a block of ``device`` can have (the ``tc-depth-128`` variant's
+        128 x 128 tiles in a ring of three copies of 128 terms would take 204 KB, more than an
+        A100's block)."""
         label = self.unique(name)
         stages = [Stage(label, tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
                   for func, schedule in schedule_candidates(tensor, placeholders, self.gpu, self.threads, epilogue,
