@@ -136,6 +136,22 @@ def is_call_to(e, name: str) -> bool:
     return isinstance(e, tvm.ir.expr.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == name
 
 
+def sub_expressions(expr):
+    """Every sub-expression of a TIR expression, ``expr`` included."""
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        yield node
+        for name in ("a", "b", "value", "condition", "true_value", "false_value"):
+            child = getattr(node, name, None)
+            if isinstance(child, tvm.ir.Expr):
+                stack.append(child)
+        for name in ("args", "indices"):
+            children = getattr(node, name, None)
+            if children is not None:
+                stack.extend(c for c in children if isinstance(c, tvm.ir.Expr))
+
+
 # -- the loads of a TE body -------------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorLoad:

@@ -656,11 +656,7 @@ class Walker:
                                           f"{buffer.name} of {buffer.dtype}, which the validator does not model")
                 return
             self.reads(offset, where, stmt)
-            found = self.index(offset, where, buffer)
-            index, variables, domain = found if found is not None else (None, where.variables, where.domain)
-            access = Access(stmt, buffer.name, self.memory(buffer), write, index, size.value, variables, domain,
-                            where.path, where.block, where.stage, where.approximate, "issued" if write else "")
-            self.kernel.accesses.append(access)
+            access = self.access(buffer, [offset], write, where, stmt, size.value, "issued" if write else "")
         self.async_events.append(AsyncEvent("issue", ctx.path, access=access, scope=self.commit_scopes[-1]))
 
     def buffer_of(self, data):
@@ -1024,25 +1020,32 @@ class Walker:
 
         visit(e, ctx)
 
-    def access(self, buffer: tirx.Buffer, indices, write: bool, ctx: Context, stmt):
+    def access(self, buffer: tirx.Buffer, indices, write: bool, ctx: Context, stmt, width: int | None = None,
+               copy: str = "") -> Access:
+        """The access of ``buffer[indices]``, recorded; ``width`` bytes from the element (a
+        cp.async's), else the element's or the vector's, and its role in a ``copy``."""
         memory = self.memory(buffer)
         if memory.scope.startswith("local") or memory.scope == "warp":
             variables, domain = ctx.variables, ctx.domain
             index = self.index(indices[0], ctx, buffer)
             if index is not None:
                 index, variables, domain = index
-            self.kernel.accesses.append(Access(stmt, buffer.name, memory, write, index, memory.elem_bytes,
-                                               variables, domain, ctx.path, ctx.block, ctx.stage, ctx.approximate))
-            return
+            access = Access(stmt, buffer.name, memory, write, index, memory.elem_bytes, variables, domain, ctx.path,
+                            ctx.block, ctx.stage, ctx.approximate)
+            self.kernel.accesses.append(access)
+            return access
         found = self.index(indices[0], ctx, buffer)
         index, variables, domain = found if found is not None else (None, ctx.variables, ctx.domain)
-        width = memory.elem_bytes if tvm.DataType(str(indices[0].ty.dtype)).lanes == 1 else buffer.dtype.bits // 8
-        self.kernel.accesses.append(Access(stmt, buffer.name, memory, write, index, width, variables,
-                                           domain, ctx.path, ctx.block, ctx.stage, ctx.approximate))
+        if width is None:
+            width = memory.elem_bytes if tvm.DataType(str(indices[0].ty.dtype)).lanes == 1 else buffer.dtype.bits // 8
+        access = Access(stmt, buffer.name, memory, write, index, width, variables, domain, ctx.path, ctx.block,
+                        ctx.stage, ctx.approximate, copy)
+        self.kernel.accesses.append(access)
         if write and ctx.stage is not None:
             tile, n, name = self.kernel.stages[ctx.stage]
             if name is None and memory.scope == "global":
                 self.kernel.stages[ctx.stage] = (tile, n, buffer.name)
+        return access
 
     def index(self, e, ctx: Context, buffer):
         self.conv.assumed = []

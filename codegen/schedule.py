@@ -966,7 +966,7 @@ def _pool_bytes(func: tirx.PrimFunc) -> list[tuple[tirx.Buffer, int]]:
     for buffer in buffers:
         size = _buffer_bytes(buffer)
         live = [(offset, offset + _buffer_bytes(other)) for other, offset in placed
-                if not (spans[buffer][1] < spans[other][0] or spans[other][1] < spans[buffer][0])]
+                if not (spans[id(buffer)][1] < spans[id(other)][0] or spans[id(other)][1] < spans[id(buffer)][0])]
         for start in sorted({0} | {align(end, POOL_ALIGN_BYTES) for _, end in live}):
             if all(start + size <= low or high <= start for low, high in live):
                 placed.append((buffer, start))
@@ -975,7 +975,7 @@ def _pool_bytes(func: tirx.PrimFunc) -> list[tuple[tirx.Buffer, int]]:
 
 
 def _spans(func: tirx.PrimFunc, buffers: list[tirx.Buffer]) -> dict:
-    """Each buffer's span in ``func``: the first and last block (in program order) that reads or
+    """Each buffer's span in ``func``, by ``id``: the first and last block (in program order) that reads or
     writes it, widened to the whole of every loop it is used in (its iterations interleave the
     uses), except the tile loop and the loops over threads, which every use shares."""
     uses: dict = {id(b): [] for b in buffers}
@@ -1019,7 +1019,7 @@ def _spans(func: tirx.PrimFunc, buffers: list[tirx.Buffer]) -> dict:
             for first, last in loops:
                 if low <= last and first <= high and (first < low or high < last):
                     low, high, widened = min(low, first), max(high, last), True
-        spans[buffer] = (low, high)
+        spans[id(buffer)] = (low, high)
     return spans
 
 

@@ -38,6 +38,7 @@ from tvm.ir import Range
 from tvm.ir.expr import TensorLoad  # what a BufferLoad is in TVM 0.27
 from tvm_ffi import structural_equal
 
+from analysis.dependence import sub_expressions
 from analysis.device import DeviceModel
 from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, MAX_NESTED_SELECTS, nested_expanded_calls, nested_selects
 
@@ -153,23 +154,7 @@ def _stride(info: _BlockInfo, access: _Access, axis: int, width: int) -> int | N
 
 
 def _mentions(expr, var: tirx.Var) -> bool:
-    return any(node.same_as(var) for node in _walk(expr))
-
-
-def _walk(expr):
-    """Every sub-expression of a TIR expression, ``expr`` included."""
-    stack = [expr]
-    while stack:
-        node = stack.pop()
-        yield node
-        for name in ("a", "b", "value", "condition", "true_value", "false_value"):
-            child = getattr(node, name, None)
-            if isinstance(child, tvm.ir.Expr):
-                stack.append(child)
-        for name in ("args", "indices"):
-            children = getattr(node, name, None)
-            if children is not None:
-                stack.extend(c for c in children if isinstance(c, tvm.ir.Expr))
+    return any(node.same_as(var) for node in sub_expressions(expr))
 
 
 # -- rule 1: inlining --------------------------------------------------------------------------
@@ -179,7 +164,8 @@ def _stored_value(sch: s_tir.Schedule, block):
 
 
 def _calls(value) -> list[str]:
-    return [node.op.name for node in _walk(value) if isinstance(node, tvm.ir.Call) and isinstance(node.op, tvm.ir.Op)]
+    return [node.op.name for node in sub_expressions(value)
+            if isinstance(node, tvm.ir.Call) and isinstance(node.op, tvm.ir.Op)]
 
 
 def _reuse(info: _BlockInfo, buffer: tirx.Buffer) -> int:
@@ -200,7 +186,7 @@ def _read_count(sch: s_tir.Schedule, block, buffer: tirx.Buffer) -> int:
     value = _stored_value(sch, block)
     if value is None:
         return 1 << 30
-    return sum(1 for node in _walk(value) if isinstance(node, TensorLoad) and node.source.same_as(buffer))
+    return sum(1 for node in sub_expressions(value) if isinstance(node, TensorLoad) and node.source.same_as(buffer))
 
 
 def _worth_inlining(sch: s_tir.Schedule, block, consumers) -> bool:
@@ -209,7 +195,7 @@ def _worth_inlining(sch: s_tir.Schedule, block, consumers) -> bool:
         return False
     buffer = sch.get(block).writes[0].source
     calls = _calls(value)
-    conditional = "prim.if_then_else" in calls or any(isinstance(n, tirx.Select) for n in _walk(value))
+    conditional = "prim.if_then_else" in calls or any(isinstance(n, tirx.Select) for n in sub_expressions(value))
     moves_data = isinstance(value, TensorLoad) or (isinstance(value, tirx.Cast) and isinstance(value.value, TensorLoad))
     transcendental = any(name != "prim.if_then_else" for name in calls)
     reads = 0
@@ -482,7 +468,7 @@ def _reads_each_element_once(sch: s_tir.Schedule, consumer, buffer: tirx.Buffer)
     value = _stored_value(sch, consumer)
     if info is None or info.reduces or value is None:
         return False
-    loads = [node for node in _walk(value) if isinstance(node, TensorLoad) and node.source.same_as(buffer)]
+    loads = [node for node in sub_expressions(value) if isinstance(node, TensorLoad) and node.source.same_as(buffer)]
     if not loads or any(not structural_equal(list(load.indices), list(loads[0].indices)) for load in loads):
         return False
     # The map from the consumer's iterators to the indices it reads, unit iterators kept as
@@ -545,7 +531,7 @@ def _vectorizable(sch: s_tir.Schedule, block) -> bool:
     store = stmt.body
     if not isinstance(store, tirx.BufferStore) or str(store.buffer.dtype) != "bfloat16":
         return True
-    return any(isinstance(node, TensorLoad) for node in _walk(store.value))
+    return any(isinstance(node, TensorLoad) for node in sub_expressions(store.value))
 
 
 def _stores_contiguously(stmt) -> bool:

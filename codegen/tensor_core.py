@@ -55,14 +55,14 @@ import inspect
 from dataclasses import dataclass
 
 import islpy as isl
-import tvm
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline_producers, get_index_map,
                                          get_reduction_blocks)
 
-from analysis.dependence import IslWriter, NotAffine
+from analysis.affine import row_major
+from analysis.dependence import IslWriter, NotAffine, constant, sub_expressions
 
 FRAGMENT = 16  # the rows and columns of every wmma fragment this schedule uses
 # wmma's reduction depth per operand dtype: m16n16k16 for float16 and bfloat16, m16n16k8 for float32
@@ -252,36 +252,21 @@ def _copies_whole_vectors(sch: s_tir.Schedule, copy) -> bool:
     rows, BERT's P.V), which then copies the wrong elements: such a copy stays in the register
     pipeline. A head's slice of merged heads (``k % 64``) is read in whole vectors."""
     block = sch.get(copy)
-    if not isinstance(block.body, tirx.BufferStore) or _extent_of(sch, sch.get_loops(copy)[-1]) != VECTOR:
+    if not isinstance(block.body, tirx.BufferStore) or constant(sch.get(sch.get_loops(copy)[-1]).extent) != VECTOR:
         return False
-    loads = []
-
-    def visit(e):
-        if isinstance(e, TensorLoad):
-            loads.append(e)
-        for name in ("a", "b", "value", "condition", "true_value", "false_value"):
-            if isinstance(getattr(e, name, None), tirx.Expr):
-                visit(getattr(e, name))
-        if isinstance(e, tvm.ir.Call):
-            for arg in e.args:
-                visit(arg)
-
-    visit(block.body.value)
+    loads = [e for e in sub_expressions(block.body.value) if isinstance(e, TensorLoad)]
+    if not loads:
+        return False
     names = [f"b{k}" for k in range(len(block.iter_vars))]
     last = names[-1]
     domain = [f"{int(iv.dom.min)} <= {name} < {int(iv.dom.min) + int(iv.dom.extent)}"
               for iv, name in zip(block.iter_vars, names)]
     here = IslWriter([(iv.var, name) for iv, name in zip(block.iter_vars, names)])
     then = IslWriter([(iv.var, name if name != last else f"({last} + 1)") for iv, name in zip(block.iter_vars, names)])
-    if not loads:
-        return False
     for load in loads:
-        strides = [1]
-        for extent in reversed(load.source.shape[1:]):
-            strides.insert(0, strides[0] * int(extent))
+        flat = row_major(list(load.indices), load.source.shape)
         try:
-            offsets = [" + ".join(f"{stride} * {writer.index(i).text}" for stride, i in zip(strides, load.indices))
-                       for writer in (here, then)]
+            offsets = [writer.index(flat).text for writer in (here, then)]
         except NotAffine:
             return False
         apart = isl.Set(f"{{ [{', '.join(names)}] : {' and '.join(domain)} and ({last} mod {VECTOR}) < {VECTOR - 1} "
@@ -289,11 +274,6 @@ def _copies_whole_vectors(sch: s_tir.Schedule, copy) -> bool:
         if not apart.is_empty():
             return False
     return True
-
-
-def _extent_of(sch: s_tir.Schedule, loop) -> int | None:
-    extent = sch.get(loop).extent
-    return int(extent.value) if isinstance(extent, tirx.IntImm) else None
 
 
 def _operand_dtypes(tile: TensorCoreTile) -> tuple[str, ...]:

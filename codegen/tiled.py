@@ -45,8 +45,8 @@ def pool_shared(func: tirx.PrimFunc, pools: dict[str, tuple[tirx.Buffer, int]]) 
     slices and accumulators, ``codegen.schedule``), and their declarations as views into the
     kernel's pool where ``codegen.schedule.pool_offsets`` places them (``pools``: dtype -> the
     pool read as that dtype, the element where it starts), to put before the stage: every stage
-    reuses the pool, so the kernel needs the most one stage needs, not the sum. No barrier is added between two stages
-    that use it: a matmul stage's first write of its slices already follows a
+    reuses the pool, so the kernel needs the most one stage needs, not the sum. No barrier is
+    added between two stages that use it: a matmul stage's first write of its slices already follows a
     ``__syncthreads``, which TVM's ``ThreadSync`` puts there because the persistent tile loop
     rewrites the slices the previous tile read (the thread-level validator checks it, and
     tests/test_matmul_stage.py that dropping it is caught)."""

@@ -1,9 +1,14 @@
 """Shared test helpers: run one registered op end to end on the CPU; the default suite's budget."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from souffle.graph import TensorSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # gpu_variants, for register_pipeline
 
 
 def run_op(kind, arrays, **attrs):
@@ -47,16 +52,13 @@ def tensor_cores_wherever_they_apply(monkeypatch):
 
 
 @pytest.fixture
-def register_pipeline(monkeypatch):
+def register_pipeline():
     """The wide tensor-core tiles (16-bit and TF32) pipelined through registers, one chunk ahead
-    (the ``register-pipeline`` variant), not by a ring of cp.async copies."""
-    import dataclasses
+    (the ``register-pipeline`` variant of benchmarks/gpu_variants.py), not by a ring of cp.async copies."""
+    import gpu_variants
 
-    from codegen import schedule
-
-    for name in ("TILES", "TF32_TILES"):
-        monkeypatch.setattr(schedule, name, tuple(dataclasses.replace(t, async_stages=0)
-                                                  for t in getattr(schedule, name)))
+    with gpu_variants.applied("register-pipeline"):
+        yield
 
 
 @pytest.fixture
