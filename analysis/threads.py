@@ -1221,12 +1221,26 @@ def _is_empty(text: str) -> bool:
     return _cached(_EMPTY, text, lambda canonical: isl.Set(canonical).is_empty())
 
 
+def _placed(a: Access) -> bool:
+    """Whether the bytes ``a`` may touch are known: an affine address, or a view of known place and size."""
+    return a.memory.offset is not None and (a.index is not None or a.memory.extent is not None)
+
+
 def _touched_bytes(params: list, a: Access) -> isl.Set:
     """The bytes ``a`` touches over its whole domain (first bytes, widened by its width), a
     one-dimensional set: two accesses whose sets do not meet cannot race, and comparing them
-    is far cheaper than the race question itself, whose isl parse costs about a millisecond."""
-    text = _set(params, [(a.variables, a.domain, "_a"), (["byte"], [], "")],
-                [f"{_address(a, '_a')} <= byte <= {_address(a, '_a')} + {a.width - 1}"])
+    is far cheaper than the race question itself, whose isl parse costs about a millisecond.
+
+    An access whose index is not affine (a gather's, read from memory) touches some element of
+    its view: the bytes of the whole view. Indexing stays inside a view: ``bounds`` proves it for
+    every affine index, TVM clamps a gather's index into the table, and the emulator checks
+    every access's bounds as it runs."""
+    if a.index is None:
+        start = a.memory.offset.render("_a")
+        span = f"{start} <= byte < {start} + {a.memory.elem_bytes * a.memory.extent}"
+    else:
+        span = f"{_address(a, '_a')} <= byte <= {_address(a, '_a')} + {a.width - 1}"
+    text = _set(params, [(a.variables, a.domain, "_a"), (["byte"], [], "")], [span])
 
     def compute(canonical: str) -> isl.Set:
         touched = isl.Set(canonical)
@@ -1493,8 +1507,9 @@ class Checker:
         return self.touched[id(a)]
 
     def apart(self, a: Access, b: Access) -> bool:
-        """Whether ``a`` and ``b`` touch no byte in common, whichever threads run them."""
-        if a.index is None or b.index is None or a.memory.offset is None or b.memory.offset is None:
+        """Whether ``a`` and ``b`` touch no byte in common, whichever threads run them (one whose
+        index is not affine: anywhere in its view, where the view's place and size are known)."""
+        if not (_placed(a) and _placed(b)):
             return False
         return self.touched_bytes(a).intersect(self.touched_bytes(b)).is_empty()
 
