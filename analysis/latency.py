@@ -80,6 +80,7 @@ BLOCK_BARRIER_CYCLES = 30  # a __syncthreads once every warp has arrived (an ass
 # to 1.28x (Swin fp16) the default's: it stays off while it slows BERT fp16, the model with a goal.
 WARPS_TO_SATURATE: int | None = None
 TENSOR_CORES_PER_SM = 4  # one per SM sub-partition (A100 and H100 architecture whitepapers)
+TIMES = ("latency", "fp", "l1", "l2", "dram")  # the five times a modelled stage takes the largest of
 GOAL_FRACTION = 0.4  # the goal: GEMM-shaped stages at 40% or more of their dtype's peak
 
 
@@ -120,6 +121,9 @@ class StageWork:
     # FLOPs the tiles issue where they exceed ``flops``: a GEMM's tiles padded past its edges
     # multiply zeros at the same cost (``flops`` stays the useful work the share of peak counts)
     issued_flops: int = 0
+    # a schedule taken from a MetaSchedule database (``codegen.tuned``): its record's run time on
+    # the GPU it was tuned on, taken as the stage's time instead of the model's five
+    measured_seconds: float | None = None
 
     @property
     def waves(self) -> int:
@@ -137,7 +141,7 @@ class StageEstimate:
 
     work: StageWork
     seconds: float
-    times: dict  # "latency", "fp", "l1", "l2", "dram" -> seconds
+    times: dict  # each of TIMES -> seconds; {"measured": seconds} for a schedule from a database
     fraction_of_peak: float | None  # None for a stage without FLOPs
 
     @property
@@ -166,6 +170,10 @@ def estimate_stage(work: StageWork, device: DeviceModel) -> StageEstimate:
     """One execution of ``work`` on ``device`` (see the module docstring)."""
     if device.kind != "gpu" or not device.l2_bandwidth:
         raise ValueError(f"the latency model is for GPUs; device {device.name!r} has no L2 bandwidth figure")
+    if work.measured_seconds is not None:
+        seconds = work.measured_seconds
+        fraction = work.flops / (seconds * device.peak(work.dtype)) if work.flops and seconds else None
+        return StageEstimate(work, seconds, {"measured": seconds}, fraction)
     clock = device.clock_hz
     working_blocks = min(work.n_tiles, work.grid)
     blocks_on_sm = -(-working_blocks // device.sms)
@@ -198,6 +206,11 @@ def estimate_stage(work: StageWork, device: DeviceModel) -> StageEstimate:
     # the peak of the stage's dtype: FMA for float32, tensor cores for float16, bfloat16 and tf32 (the goal's peaks)
     fraction = work.flops / (seconds * device.peak(work.dtype)) if work.flops and seconds else None
     return StageEstimate(work, seconds, times, fraction)
+
+
+def _bound(estimate: StageEstimate) -> str:
+    """What sets a stage's time, for the report: the largest of the model's times, or a measurement."""
+    return "measured on the GPU it was tuned on" if estimate.bound == "measured" else f"{estimate.bound}-bound"
 
 
 @dataclass(frozen=True)
@@ -261,10 +274,10 @@ class LatencyEstimate:
             best = max(gemms, key=lambda s: s.fraction_of_peak)
             at_goal = sum(s.fraction_of_peak >= GOAL_FRACTION for s in gemms)
             lines["GEMM stages"] = (f"{at_goal} of {len(gemms)} at >= {GOAL_FRACTION:.0%} of peak; best "
-                                    f"{_percent(best.fraction_of_peak)} ({best.work.name}, {best.bound}-bound)")
+                                    f"{_percent(best.fraction_of_peak)} ({best.work.name}, {_bound(best)})")
         slowest = sorted(self.stages, key=lambda s: s.total_seconds, reverse=True)[:3]
         lines["slowest stages"] = "; ".join(
-            f"{s.work.name} {_duration(s.total_seconds)} ({s.work.template}, {s.bound}-bound"
+            f"{s.work.name} {_duration(s.total_seconds)} ({s.work.template}, {_bound(s)}"
             + (f", {_percent(s.fraction_of_peak)} of peak" if s.fraction_of_peak is not None else "") + ")"
             for s in slowest)
         return lines
@@ -274,13 +287,14 @@ class LatencyEstimate:
         header = (f"latency model {self.model} on {self.device.name} (static estimate): {_duration(self.seconds)}, "
                   f"roofline bound {_duration(self.roofline_seconds)}")
         columns = (f"  {'stage':<48} {'runs':>5} {'tiles':>6} {'waves':>5} {'us/run':>9} "
-                   + " ".join(f"{k:>8}" for k in ("latency", "fp", "l1", "l2", "dram")) + f" {'bound':>7} {'peak':>6}")
+                   + " ".join(f"{k:>8}" for k in TIMES) + f" {'bound':>7} {'peak':>6}")
         lines = [header, columns]
         for s in self.stages:
             w = s.work
             share = _percent(s.fraction_of_peak) if s.fraction_of_peak is not None else "-"
             lines.append(f"  {w.name[:48]:<48} {w.executions:>5} {w.n_tiles:>6} {w.waves:>5} {s.seconds * 1e6:>9.2f} "
-                         + " ".join(f"{t * 1e6:>8.2f}" for t in s.times.values()) + f" {s.bound:>7} {share:>6}")
+                         + " ".join(f"{s.times[k] * 1e6:>8.2f}" if k in s.times else f"{'-':>8}" for k in TIMES)
+                         + f" {s.bound:>7} {share:>6}")
         return "\n".join(lines)
 
     __str__ = table

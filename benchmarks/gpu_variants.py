@@ -99,6 +99,12 @@ def _two_rows_per_warp() -> list:
     return [mock.patch.object(schedule, "WARP_REDUCE_ROWS", 2)]
 
 
+def _pair_epilogues() -> list:
+    from codegen import epilogues
+
+    return [mock.patch.object(epilogues, "ROW_RESIDENT", False)]
+
+
 def _occupancy_model() -> list:
     from analysis import latency
 
@@ -158,6 +164,13 @@ VARIANTS = {
         "H100, 7.2 us as one round of 640 longer tiles. Do BERT's and Swin's softmax and LayerNorm rows "
         "(BERT fp16: 576 softmax tiles in 5 rounds of its 132 blocks, 3 with two rows a warp) gain too?",
         _two_rows_per_warp),
+    "no-row-resident": Variant(
+        "softmax and LayerNorm as the third run timed them: the row's first statistic (a max, a sum) a stage "
+        "of its own, then the next with the output as a shared-memory epilogue, each row read three times, "
+        "not one row-resident stage (a warp a row, the row in registers; codegen.row_resident). Paper BERT fp16 "
+        "measured a softmax at 14.9 us and a LayerNorm at 8.2-9 us there, the model 5.0 and 3.6; what does "
+        "reading each row once save?",
+        _pair_epilogues),
     "occupancy": Variant(
         "the latency model with WARPS_TO_SATURATE = 32 (analysis.latency), which orders the H200's opt "
         "levels better, choosing the schedules: more, smaller tiles (with the 128 x 32 matmul tiles of the H200 "

@@ -19,11 +19,17 @@ import tvm
 from tvm import te
 
 from analysis.dependence import access_relations, iteration_domain
-from codegen.schedule import ScheduleError, schedule_te, tiling, warp_outputs
-from codegen.stage import isolate_epilogue
+from codegen.row_resident import schedule_row_resident
+from codegen.schedule import SAME_ELEMENTS_AXIS_MAX, ScheduleError, schedule_te, tiling, warp_outputs
+from codegen.stage import isolate_epilogue, isolate_fused
 from codegen.staged import flat_index, tiles_of
 from souffle.lower import LoopRegion, Region, TEProgram
 
+
+# Whether a shared-memory epilogue pair with row statistics before it becomes one row-resident
+# stage (``codegen.row_resident``); off, the statistics are stages of their own, as before (the
+# ``no-row-resident`` variant of benchmarks/gpu_variants.py times that beside it).
+ROW_RESIDENT = True
 
 # TVM 0.27's pooling of a kernel's static shared memory (``tirx.merge_static_smem``, see
 # ``codegen.cuda``) gives no place to a buffer of 4 bytes or less (it leaves such a buffer to
@@ -83,20 +89,88 @@ def _reads_own_index(relation: isl.Map, consumer_shape: list[int], producer_shap
 
 def fuse_epilogues(program: TEProgram, gpu: bool, threads: int) -> TEProgram:
     """``program`` with every region's (loop bodies' included) fusable reduction-reader pairs
-    marked in ``Region.epilogues``."""
-    regions = [LoopRegion(r.name, r.scan, fuse_epilogues(r.body, gpu, threads)) if isinstance(r, LoopRegion)
-               else dataclasses.replace(r, epilogues=_epilogues(r, gpu, threads)) for r in program.regions]
+    marked in ``Region.epilogues``, and the row-resident ones' earlier statistics in
+    ``Region.statistics``."""
+    regions = []
+    for r in program.regions:
+        if isinstance(r, LoopRegion):
+            regions.append(LoopRegion(r.name, r.scan, fuse_epilogues(r.body, gpu, threads)))
+            continue
+        epilogues = _epilogues(r, gpu, threads)
+        statistics = _row_statistics(r, epilogues, gpu, threads)
+        regions.append(dataclasses.replace(r, epilogues=epilogues, statistics=statistics))
     return TEProgram(program.graph, regions, program.links)
+
+
+def _readers(region: Region) -> dict:
+    """Operation -> the region's TEs that read it."""
+    readers: dict = {}
+    for tensor in region.stages():
+        for producer in tensor.op.input_tensors:
+            readers.setdefault(producer.op, []).append(tensor)
+    return readers
+
+
+def _row_statistics(region: Region, epilogues: dict, gpu: bool, threads: int) -> dict:
+    """Consumer op -> the earlier reductions of its row-resident stage (``codegen.row_resident``),
+    for each shared-memory epilogue pair whose output, reduction and the reductions before it
+    (read by nothing else: a softmax's max, a LayerNorm's row sum) one warp a row can compute
+    together. Its entry in ``epilogues`` becomes 'row' mode. A pair that does not schedule so
+    stays as it was."""
+    if not ROW_RESIDENT:
+        return {}
+    kept = {t.op for t in region.output_tensors}
+    readers = _readers(region)
+    order = {t.op: k for k, t in enumerate(region.stages())}
+    tensor_of = {t.op: t for t in region.stages()}
+    producers = {p.op for p, _ in epilogues.values()}
+    statistics: dict = {}
+    for consumer_op, (producer, mode) in list(epilogues.items()):
+        if mode != "shared":
+            continue
+        members = {producer.op, consumer_op}
+        chain = [producer]
+        grown = True
+        while grown:
+            grown = False
+            for tensor in [*chain, tensor_of[consumer_op]]:
+                for read in tensor.op.input_tensors:
+                    op = read.op
+                    if (op in members or not getattr(op, "reduce_axis", None) or op in kept or op in producers
+                            or op in epilogues or not all(r.op in members for r in readers.get(op, []))
+                            or not _row_statistic(read, tensor_of[consumer_op])):
+                        continue
+                    members.add(op)
+                    chain.append(tensor_of[op])
+                    grown = True
+        if len(chain) < 2:
+            continue
+        chain.sort(key=lambda t: order[t.op])
+        staged, placeholders, _ = isolate_fused(chain, tensor_of[consumer_op])
+        try:
+            schedule_row_resident(staged, placeholders, gpu, threads)
+        except (RuntimeError, ValueError, ScheduleError):  # TVM raises ValueError or InternalError
+            continue
+        epilogues[consumer_op] = (chain[-1], "row")
+        statistics[consumer_op] = tuple(chain[:-1])
+    return statistics
+
+
+def _row_statistic(reduction: te.Tensor, output: te.Tensor) -> bool:
+    """Whether ``reduction`` has the shape of a statistic of ``output``'s rows: one result a row,
+    or a few side by side (``SAME_ELEMENTS_AXIS_MAX``: a LayerNorm's two moments). A split GEMM's
+    partial products, read only by the LayerNorm that sums them, are no statistic."""
+    rows = [int(d) for d in output.shape[:-1]]
+    shape = [int(d) for d in reduction.shape]
+    return shape[:len(rows)] == rows and (len(shape) == len(rows)
+                                          or (len(shape) == len(rows) + 1 and shape[-1] <= SAME_ELEMENTS_AXIS_MAX))
 
 
 def _epilogues(region: Region, gpu: bool, threads: int) -> dict:
     """Consumer op -> (its reduction, mode) for every reduction fused with its one reader; a
     consumer that already fuses a reduction is not fused into another one."""
     kept = {t.op for t in region.output_tensors}
-    readers: dict = {}
-    for tensor in region.stages():
-        for producer in tensor.op.input_tensors:
-            readers.setdefault(producer.op, []).append(tensor)
+    readers = _readers(region)
     fused: dict = {}
     for tensor in region.stages():
         users = readers.get(tensor.op, [])

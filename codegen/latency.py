@@ -49,6 +49,7 @@ from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork,
                               estimate_program, estimate_stage)
 from codegen.partition import stage_registers
+from codegen.row_resident import statistics_of
 from codegen.schedule import (MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL_VTHREADS, WARP, epilogue_reduction,
                               gathered_factors)
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
@@ -56,6 +57,7 @@ from codegen.tensor_core import FRAGMENT
 from codegen.tensor_core import VECTOR as TENSOR_CORE_VECTOR
 from codegen.traffic import (L2Traffic, StageTraffic, Traffic, compulsory_bytes, l2_traffic, memory_traffic,
                              stage_traffic)
+from codegen.tuned import TEMPLATE as TUNED_TEMPLATE
 
 # Steps of a register-accumulated reduction whose loads one thread has in flight at once: nvcc 13
 # unrolls the k loop of a thread_reduce dense with a register accumulator by 8, every load of the
@@ -229,6 +231,8 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
         return _matmul_work(stage, executions, grid, blocks_per_sm, dram)
     if template == "tensor_core":
         return _tensor_core_work(stage, executions, grid, blocks_per_sm, dram)
+    if template == TUNED_TEMPLATE:
+        return _database_work(stage, executions, grid, blocks_per_sm, dram)
     warps = threads // WARP
     tile = schedule.n_tiles // 2
     holders = {p.op: k for k, p in enumerate(stage.placeholders)}
@@ -243,7 +247,9 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
             sectors = _sectors(load, lanes) if space == "global" and lanes is not None else 1
             accesses.append(MemoryAccess(load.tensor.op.name, "load", space, count, sectors))
 
-    if reduction is None:  # elementwise: one output per thread in each round of the tile
+    if stage.epilogue == "row":
+        accesses, active, memory_steps, on_chip_steps, barriers = _row_accesses(stage, tile, holders)
+    elif reduction is None:  # elementwise: one output per thread in each round of the tile
         active = min(threads, schedule.outputs)
         lanes = _thread_lanes(stage.tensor, tile * schedule.per_tile)
         count = -(-min(schedule.per_tile, schedule.outputs) // WARP)
@@ -298,7 +304,7 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
             memory_steps += int(bool(epilogue))
             sectors = 1 if consumer_lanes is None else _store_sectors(stage.tensor, consumer_lanes)
             accesses.append(MemoryAccess(stage.tensor.op.name, "store", "global", count, sectors))
-    flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
+    flops = count_flops(stage.tensor) + sum(count_flops(r) for r in _fused_reductions(stage))
     requested: dict[str, int] = {}  # global bytes each input's loads request per tile
     for a in accesses:
         if a.kind == "load" and a.space == "global":
@@ -314,6 +320,63 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
         dram_bytes=round(sum(min(dram.reads[k], asked * schedule.n_tiles) for k, asked in global_reads)
                          + dram.written),
         block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
+
+
+def _database_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dram: Dram) -> StageWork:
+    """A stage scheduled from a MetaSchedule database (``codegen.tuned``): the model does not
+    know its code, so it takes the record's measured time; a record without one is taken at the
+    stage's roofline (its FLOPs at peak, its DRAM bytes at the device's bandwidth)."""
+    schedule = stage.schedule
+    reduction = _reduction(stage)
+    return StageWork(
+        name=stage.name, template=TUNED_TEMPLATE, dtype=_peak_dtype(stage, reduction), executions=executions,
+        n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
+        blocks_per_sm=blocks_per_sm, flops=count_flops(stage.tensor) + sum(count_flops(r) for r in _fused_reductions(stage)),
+        tensor_core=False, gemm=is_gemm(reduction), memory_steps=0, on_chip_steps=0, block_barriers=0, accesses=(),
+        l2_read_bytes=0, dram_bytes=round(sum(dram.reads) + dram.written), measured_seconds=schedule.measured_seconds)
+
+
+def _fused_reductions(stage: Stage) -> list[te.Tensor]:
+    """The reductions computed in ``stage``'s tiles besides its TE: an epilogue's reduction, and
+    a row-resident stage's statistics (``statistics_of``)."""
+    if stage.epilogue == "row":
+        return statistics_of(stage.tensor)
+    return [_reduction(stage)] if stage.epilogue is not None else []
+
+
+def _row_accesses(stage: Stage, tile: int, holders: dict) -> tuple:
+    """A row-resident stage's tile (``codegen.row_resident``): each warp loads its row once, every
+    tensor its blocks read ``width / WARP`` times a lane (consecutive lanes on consecutive
+    columns), reduces each of its row's statistics with a round of shuffles apiece, and stores
+    its row. One trip to memory for the row, one more for what only the output reads (a
+    LayerNorm's weight and bias). Returns (accesses, active threads, memory steps, on-chip
+    steps, block barriers)."""
+    schedule = stage.schedule
+    warps = schedule.threads // WARP
+    width = int(stage.tensor.shape[-1])
+    rows = max(1, schedule.outputs // width)
+    count = warps * -(-width // WARP)
+    first = tile * schedule.per_tile
+    loads: dict = {}  # placeholder op -> (a load of it, the lanes that load it)
+    for load in _loads(stage.tensor):
+        if load.tensor.op in holders:
+            loads.setdefault(load.tensor.op, (load, _thread_lanes(stage.tensor, first)))
+    statistics = statistics_of(stage.tensor)
+    for statistic in statistics:
+        lanes = _reduction_lanes(statistic, min(first // width * _size(statistic) // rows, _size(statistic) - 1), width)
+        for load in _loads(statistic):
+            if load.tensor.op in holders:
+                loads.setdefault(load.tensor.op, (load, lanes))
+    accesses = []
+    for op, (load, lanes) in loads.items():
+        space = "shared" if holders[op] in stage.on_chip else "global"
+        accesses.append(MemoryAccess(op.name, "load", space, count, _sectors(load, lanes) if space == "global" else 1))
+    accesses.append(MemoryAccess(stage.tensor.op.name, "store", "global", count,
+                                 _store_sectors(stage.tensor, _thread_lanes(stage.tensor, first))))
+    row_reads = {load.tensor.op for s in statistics for load in _loads(s)}
+    output_only = any(op not in row_reads for op in loads)
+    shuffles = sum(_size(s) for s in statistics) // rows * SHUFFLE_ROUNDS
+    return accesses, schedule.threads, 1 + int(output_only), shuffles, 0
 
 
 def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dram: Dram) -> StageWork:

@@ -61,7 +61,9 @@ from souffle.passes import Outcome
 # the partition before ptxas runs; the compiled kernel's grid comes from ptxas' figure.
 # matmul (dlight's rule, 16 accumulators per thread, 128-bit shared loads): 80 on sm_90 and sm_80
 # for two dense stages (tests/test_matmul_stage.py's kernel) and for a 384 x 3072 x 768 dense, no spills.
-REGISTER_ESTIMATES = {"elementwise": 32, "thread_reduce": 32, "warp_reduce": 64, "matmul": 80}
+# database (a MetaSchedule schedule, ``codegen.tuned``): its code is the tuner's, unknown until
+# ptxas; 128, the most any of this project's own stages but the tensor-core tiles needs, rounded up.
+REGISTER_ESTIMATES = {"elementwise": 32, "thread_reduce": 32, "warp_reduce": 64, "matmul": 80, "database": 128}
 # tensor_core (wmma fragments): each thread holds its share of the block tile's float32
 # accumulators (rows x columns / threads registers) on top of a base for its operand fragments and
 # addresses, TENSOR_CORE_BASE_REGISTERS, fitted to ptxas on sm_90 (tests/test_tensor_core.py).

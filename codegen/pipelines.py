@@ -39,6 +39,7 @@ from codegen.schedule_cpu import schedule_cpu
 from codegen.stage import stage_program
 from codegen.stitch import stitch
 from codegen.sync import global_sync, kernel_per_stage
+from codegen.tuned import StageDatabase
 from codegen.vertical import inline_one_relies_on_one
 from codegen.split_k import split_k
 from codegen.wavefront import wavefront
@@ -100,6 +101,15 @@ SYNCHRONIZATION = (
 )
 
 
+def _gpu_stages(program, options) -> Outcome:
+    """The stage pass for a GPU: where a MetaSchedule database is given, the stages it has
+    records for take their schedules from it (``codegen.tuned``), one note per such stage."""
+    database = StageDatabase(options.database) if options.database else None
+    staged = stage_program(program, True, options.threads, options.device, options.precision == "tf32", database)
+    return Outcome(staged, [] if database is None else
+                   database.notes or [f"no stage's workload has a record in {database.path}"])
+
+
 def _source(plan, arch: str) -> CudaSource:
     device = device_module(plan.funcs, arch)
     return CudaSource(plan, cuda_source(device, arch), device)
@@ -127,8 +137,7 @@ def validate_threads(source: CudaSource, options) -> Outcome:
 CUDA = Pipeline("cuda", GRAPH, (
     *TRANSFORMS,
     Pass("fuse_epilogues", lambda program, o: fuse_epilogues(program, True, o.threads), TE, from_level=3),
-    Pass("stage", lambda program, o: stage_program(program, True, o.threads, o.device, o.precision == "tf32"),
-         STAGED),
+    Pass("stage", lambda program, o: _gpu_stages(program, o), STAGED, section="database"),
     *SYNCHRONIZATION,
     Pass("kernel_plan", lambda staged, _: kernel_plan(staged), TIR),
     Pass("cuda_source", lambda plan, o: _source(plan, o.device.arch), CUDA_SOURCE),

@@ -43,6 +43,10 @@ the same tile so the reduction's result never goes to global memory (``epilogue_
   ``__syncthreads``, all the block's threads compute the consumer's tile: the contiguous run of
   its row-major output that reads exactly those results.
 
+A softmax's or LayerNorm's statistics and output, where a shared epilogue pair has statistics
+before it that nothing else reads, are one row-resident stage instead (``codegen.row_resident``:
+a warp a row, the row loaded once into registers).
+
 The same split is made for the CPU (``gpu=False``) without binding threads, so the CPU runs
 exactly the tiles the GPU runs.
 """
@@ -118,6 +122,7 @@ class StageSchedule:
     tile_relation: str = ""
     box: tuple[int, ...] = ()  # ``matmul`` only: the largest extent of a tile along each output dimension
     tensor_core_tile: TensorCoreTile | None = None  # ``tensor_core`` only: its warps and fragments
+    measured_seconds: float | None = None  # ``database`` only: its record's run time (``codegen.tuned``)
 
     def __str__(self):
         shared = f", {self.shared_bytes} B shared" if self.shared_bytes else ""
@@ -129,7 +134,7 @@ class ScheduleError(SouffleError):
     """A stage no template can schedule (the message says which and why)."""
 
 
-def _extent(sch: s_tir.Schedule, loop) -> int:
+def loop_extent(sch: s_tir.Schedule, loop) -> int:
     extent = sch.get(loop).extent
     if not isinstance(extent, tirx.IntImm):
         raise ScheduleError(f"loop {sch.get(loop).loop_var} has a symbolic extent {extent}")
@@ -143,7 +148,7 @@ def _only_block(sch: s_tir.Schedule):
     return blocks[0]
 
 
-def _product(values) -> int:
+def product_of(values) -> int:
     return _fold(lambda a, b: a * b, values, 1)
 
 
@@ -202,12 +207,12 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         n_spatial = min(n_spatial, 1)
         loops = sch.get_loops(block)
     spatial_loops, reduce_loops = loops[:n_spatial], loops[n_spatial:]
-    outputs = _product(_extent(sch, loop) for loop in spatial_loops)
-    reduction = _product(_extent(sch, loop) for loop in reduce_loops)
+    outputs = product_of(loop_extent(sch, loop) for loop in spatial_loops)
+    reduction = product_of(loop_extent(sch, loop) for loop in reduce_loops)
     template, per_tile = tiling(outputs, reduction, threads, per_warp)
-    if template == "warp_reduce" and not _lanes_can_reduce(sch, block):
+    if template == "warp_reduce" and not lanes_can_reduce(sch, block):
         template, per_tile = "thread_reduce", threads
-    fused = _outer_loop(sch, spatial_loops, loops, block)
+    fused = outer_loop(sch, spatial_loops, loops, block)
     if epilogue_mode == "register" and outputs == 1:
         # A single result's epilogue is bound to constant indexes, which nothing guards: placed
         # in the unit loop before the split, it gets the split's guard like the reduction, or
@@ -249,7 +254,7 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     return func, StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch))
 
 
-def _lanes_can_reduce(sch: s_tir.Schedule, block) -> bool:
+def lanes_can_reduce(sch: s_tir.Schedule, block) -> bool:
     """Whether TVM can split ``block``'s reduction across a warp's lanes, race-free:
 
     - its cross-thread lowering, like ``rfactor``, needs a combiner it recognizes (a sum, a
@@ -469,7 +474,7 @@ def _own_schedule(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, t
     func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, epilogue_mode, per_warp)
     if epilogue_mode is None:
         return func, schedule
-    outputs = _product(int(d) for d in tensor.shape)
+    outputs = product_of(int(d) for d in tensor.shape)
     return func, dataclasses.replace(schedule, per_tile=schedule.per_tile * outputs // schedule.outputs, outputs=outputs)
 
 
@@ -480,11 +485,11 @@ def _accumulates_alone(tensor: te.Tensor, threads: int) -> bool:
     extents = [analyzer.simplify(a.dom.extent) for a in axes]
     if not extents or not all(isinstance(e, tirx.IntImm) for e in extents):
         return False  # no reduction, or one ``schedule_stage`` refuses with its reason
-    outputs = _product(int(d) for d in tensor.shape)
-    return choose_template(outputs, _product(int(e) for e in extents), threads) == "thread_reduce"
+    outputs = product_of(int(d) for d in tensor.shape)
+    return choose_template(outputs, product_of(int(e) for e in extents), threads) == "thread_reduce"
 
 
-def _outer_loop(sch: s_tir.Schedule, spatial_loops: list, loops: list, block):
+def outer_loop(sch: s_tir.Schedule, spatial_loops: list, loops: list, block):
     """The block's spatial loops fused into one, outermost: the loop its tiles split. A block with
     none (a rank-0 output) gets a unit loop above all its loops, so that its tile loop is the
     outermost loop and the reduction stays inside the tile."""
@@ -518,7 +523,7 @@ def _place_epilogue(sch: s_tir.Schedule, producer, epilogue, mode: str, tile, ho
         raise ScheduleError(f"a shared-memory epilogue needs a warp_reduce producer, not {template}: "
                             "a thread_reduce one would synchronize the block at every reduction step")
     (flat,) = sch.get_loops(epilogue)
-    size = _extent(sch, flat)
+    size = loop_extent(sch, flat)
     if (per_tile * size) % outputs:
         raise ScheduleError(f"a shared-memory epilogue of {size} elements cannot be tiled like its {outputs} results "
                             f"({per_tile} per tile)")
@@ -582,7 +587,7 @@ def _shared_bytes(sch: s_tir.Schedule) -> int:
               s_tir.transform.ConvertBlocksToOpaque(),
               s_tir.transform.CompactBufferAllocation()]
     mod = tvm.transform.Sequential(passes)(sch.mod)
-    return sum(_product(int(d) for d in b.shape) * tvm.runtime.DataType(b.dtype).bits // 8
+    return sum(product_of(int(d) for d in b.shape) * tvm.runtime.DataType(b.dtype).bits // 8
                for b in _allocations(mod["main"].body) if b.scope().startswith("shared"))
 
 
@@ -643,7 +648,7 @@ def matmul_stage(func: tirx.PrimFunc, threads: int = THREADS) -> tuple[tirx.Prim
     scheduled = _KernelShapedMatmul(threads).apply(func, tvm.target.Target(_CUDA), False)
     if scheduled is None:
         return None
-    return _stitchable(scheduled, "matmul", threads, MATMUL_PIPELINED and _pipeline_slices(scheduled))
+    return stitchable(scheduled, "matmul", threads, MATMUL_PIPELINED and _pipeline_slices(scheduled))
 
 
 def _pipeline_slices(sch: s_tir.Schedule) -> bool:
@@ -671,7 +676,7 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
     register epilogue) on tensor cores, one schedule per tile of ``codegen.tensor_core.TILES``
     (``TF32_TILES``, whose fragments take float32 operands) that fits it (``codegen.tensor_core``),
     folded and carried like ``matmul_stage``'s."""
-    if _product(int(d) for d in func.params[-1].shape) < MATMUL_MIN_OUTPUTS:
+    if product_of(int(d) for d in func.params[-1].shape) < MATMUL_MIN_OUTPUTS:
         return []  # (an operand read under a condition is no bar: its copy is element-wise)
     found = []
     for tile in TILES + NARROW_TILES + (TF32_TILES + TF32_NARROW_TILES if tf32 else ()):
@@ -680,7 +685,7 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
         if scheduled is None:
             continue
         scheduled, applied = scheduled
-        stage = _stitchable(scheduled, "tensor_core", threads, applied.pipelined)
+        stage = stitchable(scheduled, "tensor_core", threads, applied.pipelined)
         if stage is not None:
             found.append((stage[0], dataclasses.replace(stage[1], tensor_core_tile=applied)))
     return found
@@ -692,28 +697,28 @@ def _gemm_rules_apply(func: tirx.PrimFunc) -> bool:
     slices with vector loads, and a vector select loads both sides, out of bounds where the
     padding is; the validator found it). The tensor-core tiles copy such an operand element-wise
     (``tensor_core_stages``)."""
-    return _product(int(d) for d in func.params[-1].shape) >= MATMUL_MIN_OUTPUTS and not _reads_conditionally(func)
+    return product_of(int(d) for d in func.params[-1].shape) >= MATMUL_MIN_OUTPUTS and not _reads_conditionally(func)
 
 
-def _stitchable(scheduled: s_tir.Schedule, template: str, threads: int,
+def stitchable(scheduled: s_tir.Schedule, template: str, threads: int,
                 pipelined: bool = False) -> tuple[tirx.PrimFunc, StageSchedule] | None:
     """A dlight schedule made a stage of the persistent kernel: compacted, its block indices
     folded into one tile loop, its tiles read off as an isl relation; None where they cannot be
     (an index isl cannot represent) or would be mostly idle."""
     func = scheduled.mod["main"]
-    outputs = _product(int(d) for d in func.params[-1].shape)
+    outputs = product_of(int(d) for d in func.params[-1].shape)
     nest = _block_index_nest(func)
     relation = _tile_relation(func, nest)
     if relation is None:
         return None
     box = _tile_box(relation)
-    n_tiles = _product(_constant(loop.extent) for loop in nest)
-    if outputs < MATMUL_MIN_USE * n_tiles * _product(box):
+    n_tiles = product_of(_constant(loop.extent) for loop in nest)
+    if outputs < MATMUL_MIN_USE * n_tiles * product_of(box):
         return None  # mostly idle threads (a GEMV's one row in tiles of 128)
     compacted = _compacted(func, pipelined)
     folded = _fold_block_indices(compacted, _block_index_nest(compacted))
     shared = pooled_shared(folded)
-    schedule = StageSchedule(template, n_tiles, _product(box), threads, outputs, shared,
+    schedule = StageSchedule(template, n_tiles, product_of(box), threads, outputs, shared,
                              tile_relation=relation.to_str(), box=box)
     return folded, schedule
 
@@ -788,7 +793,7 @@ def buffer_elements(buffer: tirx.Buffer) -> int:
     """Elements a (possibly strided, padded) buffer spans."""
     shape = [int(d) for d in buffer.shape]
     if not buffer.strides:
-        return _product(shape)
+        return product_of(shape)
     return max(1, 1 + sum((d - 1) * int(s) for d, s in zip(shape, buffer.strides)))
 
 
@@ -834,7 +839,7 @@ def _block_index_nest(func: tirx.PrimFunc) -> list[tirx.For]:
 def _tile_strides(nest: list[tirx.For]) -> list[int]:
     """Each block index's weight in the folded tile index, the outermost the most significant."""
     extents = [_constant(loop.extent) for loop in nest]
-    return [_product(extents[k + 1:]) for k in range(len(extents))]
+    return [product_of(extents[k + 1:]) for k in range(len(extents))]
 
 
 def _fold_block_indices(func: tirx.PrimFunc, nest: list[tirx.For]) -> tirx.PrimFunc:
@@ -843,7 +848,7 @@ def _fold_block_indices(func: tirx.PrimFunc, nest: list[tirx.For]) -> tirx.PrimF
     realize = func.body
     root = realize.block
     dtype = str(nest[0].loop_var.ty.dtype)
-    n_tiles = _product(_constant(loop.extent) for loop in nest)
+    n_tiles = product_of(_constant(loop.extent) for loop in nest)
     tile = tirx.Var("tile", dtype)
     digits = [tirx.Bind(loop.loop_var, tirx.floormod(tirx.floordiv(tile, tirx.const(stride, dtype)), loop.extent))
               for loop, stride in zip(nest, _tile_strides(nest))]

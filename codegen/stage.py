@@ -18,10 +18,12 @@ from analysis.affine import recompute
 from analysis.dependence import tensor_loads
 from analysis.device import DeviceModel
 from codegen.latency import stage_seconds
+from codegen.row_resident import schedule_row_resident
 from codegen.schedule import THREADS, schedule_candidates
 from codegen.staged import Loop, Stage, StagedProgram
 from codegen.stitch import BufferRef, Stitcher
 from codegen.traffic import stage_traffic
+from codegen.tuned import StageDatabase, workload
 from souffle.errors import GraphError
 from souffle.graph import TensorSpec
 from souffle.lower import Region, TEProgram
@@ -89,22 +91,37 @@ def isolate(tensor: te.Tensor) -> tuple[te.Tensor, list[te.Tensor], list[te.Tens
 def isolate_epilogue(producer: te.Tensor, consumer: te.Tensor) -> tuple[te.Tensor, list[te.Tensor], list[te.Tensor]]:
     """``consumer`` and the reduction ``producer`` it alone reads, as one TE graph over fresh
     placeholders: (the consumer, its placeholders, the tensors they stand for)."""
+    return isolate_fused([producer], consumer)
+
+
+def isolate_fused(producers: list[te.Tensor], consumer: te.Tensor) -> tuple[te.Tensor, list[te.Tensor], list[te.Tensor]]:
+    """``consumer`` and the reductions ``producers`` (producers first) that only it and each other
+    read, as one TE graph over fresh placeholders: (the consumer, its placeholders, the tensors
+    they stand for). A row-resident stage's statistics (``codegen.row_resident``) are several."""
+    fused = {p.op for p in producers}
     # keyed by op: a rank-0 tensor's ``==`` raises (TVM asks for ``Tensor.equal``)
-    outside = list({t.op: t for t in [*producer.op.input_tensors, *consumer.op.input_tensors]
-                    if not t.op.same_as(producer.op)}.values())
-    holders = _Placeholders(outside, producer)
-    inner = recompute(producer, holders, f"staging {producer.op.name}")
-    holders.twice = set()  # the epilogue's loads of a tensor the reduction reads twice take the first
-    staged = recompute(consumer, lambda t, idx, s: inner(*idx) if t.op.same_as(producer.op) else holders(t, idx, s),
-                       f"staging {consumer.op.name}")
+    outside = list({t.op: t for tensor in [*producers, consumer] for t in tensor.op.input_tensors
+                    if t.op not in fused}.values())
+    holders = _Placeholders(outside, producers[0])
+    inner: dict = {}
+
+    def load(tensor, indices, simplify):
+        return inner[tensor.op](*indices) if tensor.op in inner else holders(tensor, indices, simplify)
+
+    for producer in producers:
+        inner[producer.op] = recompute(producer, load, f"staging {producer.op.name}")
+        holders.twice = set()  # later loads of a tensor the first reduction reads twice take the first
+    staged = recompute(consumer, load, f"staging {consumer.op.name}")
     return staged, holders.placeholders, holders.tensors
 
 
 class _Stager(Stitcher):
     """The stitcher's memory placement, with regions and copies emitted as stages."""
 
-    def __init__(self, graph, gpu: bool, threads: int, device: DeviceModel | None, tf32: bool = False):
+    def __init__(self, graph, gpu: bool, threads: int, device: DeviceModel | None, tf32: bool = False,
+                 database: StageDatabase | None = None):
         super().__init__(graph, None, SlotArena())
+        self.database = database
         self.gpu = gpu
         self.tf32 = tf32
         self.threads = threads
@@ -119,9 +136,16 @@ class _Stager(Stitcher):
         128 x 128 tiles in a ring of three copies of 128 terms would take 204 KB, more than an
         A100's block)."""
         label = self.unique(name)
+        tuned = None if self.database is None else \
+            self.database.schedule(label, workload(tensor, placeholders), self.threads, self.device.arch)
+        if tuned is not None:
+            return Stage(label, tensor, placeholders, *tuned, reads, write, epilogue=epilogue)
+        if epilogue == "row":
+            candidates = [schedule_row_resident(tensor, placeholders, self.gpu, self.threads)]
+        else:
+            candidates = schedule_candidates(tensor, placeholders, self.gpu, self.threads, epilogue, self.tf32)
         stages = [Stage(label, tensor, placeholders, func, schedule, reads, write, epilogue=epilogue)
-                  for func, schedule in schedule_candidates(tensor, placeholders, self.gpu, self.threads, epilogue,
-                                                                 self.tf32)]
+                  for func, schedule in candidates]
         if self.device is not None and self.device.smem_per_block:
             stages = [s for s in stages if s.schedule.shared_bytes <= self.device.smem_per_block] or stages[-1:]
         if len(stages) == 1 or self.device is None:
@@ -137,6 +161,7 @@ class _Stager(Stitcher):
         for name in region.outputs:
             placed[region.tensors[name].op] = refs[name]
         producers = {producer.op for producer, _ in region.epilogues.values()}
+        producers |= {t.op for statistics in region.statistics.values() for t in statistics}
         stages = []
         for tensor in region.stages():
             if tensor.op in producers:
@@ -148,8 +173,9 @@ class _Stager(Stitcher):
             label = f"{region.name}/{name_of.get(tensor.op, tensor.op.name)}"
             if tensor.op in region.epilogues:
                 producer, mode = region.epilogues[tensor.op]
-                staged, placeholders, outside = isolate_epilogue(producer, tensor)
-                label = f"{region.name}/{name_of.get(producer.op, producer.op.name)}+{name_of.get(tensor.op, tensor.op.name)}"
+                fused = [*region.statistics.get(tensor.op, ()), producer]
+                staged, placeholders, outside = isolate_fused(fused, tensor)
+                label = f"{region.name}/" + "+".join(name_of.get(t.op, t.op.name) for t in [*fused, tensor])
                 stages.append(self.stage(label, staged, placeholders, [placed[t.op] for t in outside],
                                          placed[tensor.op], mode))
                 continue
@@ -167,12 +193,14 @@ class _Stager(Stitcher):
 
 
 def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS,
-                  device: DeviceModel | None = None, tf32: bool = False) -> StagedProgram:
+                  device: DeviceModel | None = None, tf32: bool = False,
+                  database: StageDatabase | None = None) -> StagedProgram:
     """The program as stages of one persistent kernel with blocks of ``threads`` threads, tiled
     for the GPU (or, with the same tiles, for the CPU), nothing synchronized yet; where a stage
     has several schedules, the one the latency model estimates fastest on ``device``. ``tf32``:
-    float32 GEMMs may multiply on tensor cores in TF32 (``precision="tf32"``)."""
-    stager = _Stager(program.graph, gpu, threads, device, tf32)
+    float32 GEMMs may multiply on tensor cores in TF32 (``precision="tf32"``). A stage that
+    ``database`` (GPU only, with ``device``) has a record for takes its schedule."""
+    stager = _Stager(program.graph, gpu, threads, device, tf32, database)
     items, inputs, outputs = stager.whole(program)
     weights, weight_buffers = stager.weights()
     staged = StagedProgram(program.graph.name, items, inputs, weights, weight_buffers, outputs,

@@ -73,7 +73,9 @@ class Stage:
     # why a __syncthreads precedes this stage (it reads or overwrites what other threads of the
     # block touched since the last barrier); None: none needed, or a grid barrier is there
     block_barrier: str | None = None
-    epilogue: str | None = None  # 'register' or 'shared': ``tensor`` is a reduction's consumer fused into it
+    # 'register' or 'shared': ``tensor`` is a reduction's consumer fused into it; 'row': a row-resident
+    # stage (``codegen.row_resident``), ``tensor`` the output that reads its rows' statistics
+    epilogue: str | None = None
     on_chip: dict[int, OnChip] = field(default_factory=dict)  # read index -> the weight read from shared memory
 
     def read_relation(self, placeholder: te.Tensor) -> tuple[isl.Map, bool]:

@@ -18,6 +18,7 @@ from souffle.errors import (
 from souffle.graph import Graph, GraphBuilder, Op, Scan, TensorSpec
 
 _LAZY = {"compile": "souffle.compiler", "CompiledModel": "souffle.compiler", "Report": "souffle.compiler",
+         "stage_workloads": "souffle.compiler",
          "models": "souffle.models", "from_torch": "souffle.importers.torch_export",
          "from_onnx": "souffle.importers.onnx_import"}
 
@@ -33,5 +34,5 @@ def __getattr__(name: str):
 __all__ = [
     "CompiledModel", "Graph", "GraphBuilder", "GraphError", "InputError", "ModelImportError", "Op", "Report",
     "Scan", "SouffleError", "TargetError", "TensorSpec", "UnknownModelError", "UnknownOpError",
-    "UnsupportedOpError", "WeightError", "compile", "from_onnx", "from_torch", "models",
+    "UnsupportedOpError", "WeightError", "compile", "from_onnx", "from_torch", "models", "stage_workloads",
 ]

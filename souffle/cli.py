@@ -33,7 +33,7 @@ def _compile(args) -> int:
         graph = models.build(args.model, config=args.config, seed=args.seed)  # refuses a seed numpy does not take
     compiled = souffle.compile(graph, target=args.target, device=args.device, threads=args.threads,
                                opt_level=args.opt_level, dump_ir=args.dump_ir, print_after=args.print_after,
-                               validate=args.validate, precision=args.precision)
+                               validate=args.validate, precision=args.precision, database=args.database)
     if (args.thread_order, args.order_seed, args.grid) != ("ascending", 0, None) and not emulated:
         raise SouffleError("--thread-order, --order-seed and --grid choose how cuda-emulated runs the kernel: they need "
                            f"--target cuda-emulated, not {args.target!r}")
@@ -185,6 +185,9 @@ def _parser() -> argparse.ArgumentParser:
                              help="what the model computes in: fp32 (default), fp16 or bf16 (weights converted at "
                                   "compile time, GEMMs and reductions accumulate in fp32; inputs and outputs stay fp32), "
                                   "or tf32 (fp32, GEMMs on CUDA tensor cores in TF32)")
+    compile_cmd.add_argument("--database", metavar="DIR",
+                             help="a MetaSchedule JSON database (targets cuda, cuda-emulated): each stage whose "
+                                  "workload it has a record for takes the record's schedule (the report lists them)")
     compile_cmd.add_argument("--emit-source", metavar="FILE",
                              help="write the generated CUDA source to FILE (targets cuda, cuda-emulated)")
     compile_cmd.add_argument("--thread-order", default="ascending", choices=("ascending", "descending", "random"),

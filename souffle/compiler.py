@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import tvm
 
 from analysis.device import DEVICES, get_device
 from codegen.pipelines import PIPELINES, VALIDATE_BY_DEFAULT
@@ -27,15 +28,17 @@ from souffle.precision import DEFAULT_PRECISION, check_precision
 from souffle.runtime.check import CHECK, EXPECTED, INPUTS, Check
 
 TARGETS = tuple(PIPELINES)
+DATABASE_TARGETS = ("cuda", "cuda-emulated")  # the targets whose stages a MetaSchedule database may schedule
 MODELS = {"llvm": CpuModel, "cuda": CudaModel, "llvm-persistent": CpuModel, "cuda-emulated": EmulatedModel}  # what each target's result runs as
 
-__all__ = ["TARGETS", "CompiledModel", "Report", "compile", "export_check", "run_passes", "staged_program"]
+__all__ = ["TARGETS", "CompiledModel", "Report", "compile", "export_check", "run_passes", "stage_workloads",
+           "staged_program"]
 
 
 def compile(graph: Graph, target: str = "llvm", device: str | None = None, threads: int | None = None,
             opt_level: int | None = None, dump_ir: str | Path | None = None,
             print_after: tuple[str, ...] | list[str] = (), validate: bool | None = None,
-            precision: str = DEFAULT_PRECISION) -> CompiledModel:
+            precision: str = DEFAULT_PRECISION, database: str | Path | None = None) -> CompiledModel:
     """Compile a whole model for ``target``.
 
     - ``"llvm"``: one CPU function, with the CPU's own schedules (the fast CPU path).
@@ -66,13 +69,18 @@ def compile(graph: Graph, target: str = "llvm", device: str | None = None, threa
     ``precision`` (``souffle.precision``): ``"fp32"`` (default), ``"fp16"`` or ``"bf16"``, the weights
     converted once at compile time, GEMMs and reductions accumulating in float32; the model's
     float inputs and outputs stay float32.
+
+    ``database`` (cuda, cuda-emulated): a MetaSchedule JSON database (the directory MetaSchedule's
+    ``tune_tir`` writes, its stage workloads tuned on a GPU); each stage it has a record for
+    takes the record's schedule (``codegen.tuned``). The report says which stages did, and why
+    any record was refused.
     """
     if not isinstance(graph, Graph):
         raise SouffleError(f"souffle.compile takes a souffle Graph, got {type(graph).__name__}")
     pipeline = _pipeline(target)
     if graph.weights is None:
         raise SouffleError(f"graph {graph.name!r} has no weights; build it with arrays or call .with_weights(...)")
-    options = _options(pipeline, device, threads, opt_level, validate, precision)
+    options = _options(pipeline, device, threads, opt_level, validate, precision, database)
     run = pipeline.run(graph, options, dump_dir=dump_ir, print_after=print_after)
     return MODELS[target](graph, run)
 
@@ -85,6 +93,20 @@ def run_passes(ir, target: str = "cuda", start: str | None = None, stop: str | N
     ``compile`` would use: the passes' IRs, times and notes."""
     pipeline = _pipeline(target)
     return pipeline.run(ir, _options(pipeline, device, threads, opt_level, validate, precision), start=start, stop=stop)
+
+
+def stage_workloads(graph: Graph, device: str | None = None, threads: int | None = None,
+                    opt_level: int | None = None, precision: str = DEFAULT_PRECISION) -> dict:
+    """Stage name -> its workload (an IRModule whose ``main`` is the stage's TE as one PrimFunc)
+    for ``graph``'s CUDA kernel compiled with these options: what to tune with MetaSchedule
+    (``tvm.s_tir.meta_schedule.tune_tir``, on the GPU, into one work_dir) to make the database
+    ``compile(..., database=work_dir)`` takes stage schedules from (``codegen.tuned``)."""
+    from codegen.tuned import workload
+
+    staged = run_passes(graph, "cuda", stop="stage", device=device, threads=threads, opt_level=opt_level,
+                        precision=precision).ir
+    return {stage.name: tvm.IRModule({"main": workload(stage.tensor, stage.placeholders)})
+            for stage in staged.stages()}
 
 
 def staged_program(program: TEProgram, target: str = "cuda", threads: int | None = None,
@@ -102,7 +124,7 @@ def _pipeline(target: str) -> Pipeline:
 
 
 def _options(pipeline: Pipeline, device: str | None, threads, opt_level, validate: bool | None = None,
-             precision: str = DEFAULT_PRECISION) -> CompileOptions:
+             precision: str = DEFAULT_PRECISION, database: str | Path | None = None) -> CompileOptions:
     kind = get_device(pipeline.device).kind
     model = get_device(device or pipeline.device)
     if model.kind != kind:
@@ -111,8 +133,12 @@ def _options(pipeline: Pipeline, device: str | None, threads, opt_level, validat
                           f"use {choices}")
     if validate is not None and not isinstance(validate, bool):
         raise SouffleError(f"validate must be True, False or None, got {validate!r}")
+    if database is not None and pipeline.target not in DATABASE_TARGETS:
+        raise TargetError(f"a MetaSchedule database schedules the stages of a CUDA kernel (targets "
+                          f"{', '.join(DATABASE_TARGETS)}), not target {pipeline.target!r}")
     return CompileOptions(pipeline.target, pipeline.check_level(opt_level), pipeline.check_threads(threads), model,
-                          VALIDATE_BY_DEFAULT if validate is None else validate, check_precision(precision))
+                          VALIDATE_BY_DEFAULT if validate is None else validate, check_precision(precision),
+                          None if database is None else str(database))
 
 
 def export_check(name: str, config: str, directory, archs: tuple[str, ...] = ("sm_80",), opt_level: int | None = None,

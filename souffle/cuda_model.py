@@ -149,6 +149,7 @@ class CudaModel(CompiledModel):
                                 f"{r.shared_bytes} B static + {dynamic} B dynamic shared memory, "
                                 f"{r.spill_bytes} B spilled")
         report.extra.update({f"ptxas {k + 1}": note for k, note in enumerate(self.passes.notes("ptxas"))})
+        report.extra.update({f"database {k + 1}": note for k, note in enumerate(self.passes.notes("database"))})
         report.extra["co-residency"] = str(self.occupancy)
         report.extra.update(self.latency.summary())
         return report

@@ -31,6 +31,9 @@ class Region:
     # consumer TE operation -> (the reduction it alone reads, 'register' or 'shared'): the pairs
     # that run as one stage of the persistent kernel (marked by codegen.epilogues)
     epilogues: dict = field(default_factory=dict)
+    # consumer TE operation -> the reductions before its epilogue's producer ('row' mode: a
+    # row-resident stage, codegen.row_resident), producers first
+    statistics: dict = field(default_factory=dict)
 
     @property
     def placeholders(self) -> list[te.Tensor]:
@@ -132,8 +135,9 @@ class TEProgram:
                     axes = ", ".join(str(ax.var) for ax in stage.op.axis)
                     red = ", ".join(str(ax.var) for ax in stage.op.reduce_axis)
                     lines.append(f"    {stage.op.name}[{axes}]" + (f" reduce[{red}]" if red else "") + f" {list(stage.shape)}")
-                lines += [f"    epilogue ({mode}): {producer.op.name} + {consumer.name}"
-                          for consumer, (producer, mode) in region.epilogues.items()]
+                lines += [f"    epilogue ({mode}): "
+                          + " + ".join(t.op.name for t in [*region.statistics.get(consumer, ()), producer])
+                          + f" + {consumer.name}" for consumer, (producer, mode) in region.epilogues.items()]
         return "\n".join(lines)
 
 

@@ -47,6 +47,8 @@ class CompileOptions:
     device: object  # the device model (analysis.device.DeviceModel) the passes size things for
     validate: bool = False  # run the thread-level validator on CUDA kernels (off only for debugging once it is on)
     precision: str = "fp32"  # what the model computes in (``souffle.precision``)
+    # cuda: a MetaSchedule database (directory) whose records schedule the stages they match (``codegen.tuned``)
+    database: str | None = None
 
 
 @dataclass(frozen=True)

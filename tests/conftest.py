@@ -62,6 +62,16 @@ def register_pipeline():
 
 
 @pytest.fixture
+def pair_epilogues():
+    """Softmax and LayerNorm statistics as stages of their own, then a shared-memory epilogue pair
+    (the ``no-row-resident`` variant of benchmarks/gpu_variants.py), not one row-resident stage."""
+    import gpu_variants
+
+    with gpu_variants.applied("no-row-resident"):
+        yield
+
+
+@pytest.fixture
 def rng():
     """Seeded per test, so every test's inputs are reproducible on their own."""
     return np.random.default_rng(0)

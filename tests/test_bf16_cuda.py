@@ -227,7 +227,7 @@ def test_a_bfloat16_reduction_is_not_split_across_lanes_where_tvm_would_race(mon
     func, schedule = _row_max("bfloat16", template="thread_reduce")
     output = _emulate(func, schedule, {"m": values}, {"S": ((64,), BF16)}, "random")["S"]
     np.testing.assert_array_equal(output, values.max(axis=1))
-    monkeypatch.setattr(schedule_module, "_lanes_can_reduce", lambda sch, block: True)
+    monkeypatch.setattr(schedule_module, "lanes_can_reduce", lambda sch, block: True)
     func, schedule = _row_max("bfloat16")
     assert "volatile nv_bfloat16*" in cuda_source(func, "sm_80")
     with pytest.raises(EmulationError, match="data race on shared memory"):

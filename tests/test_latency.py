@@ -289,7 +289,24 @@ def test_warps_to_saturate_scales_memory_throughput_by_the_warps_resident(dense_
     assert (on[one_block]["latency"], on[one_block]["fp"]) == (off[one_block]["latency"], off[one_block]["fp"])
 
 
-def test_a_reduction_with_a_row_epilogue_counts_one_row_per_warp():
+def test_a_row_resident_stage_loads_its_row_once():
+    """softmax as one row-resident stage (``codegen.row_resident``): a tile of 8 warps, a row
+    each; each lane loads its 384 / 32 columns once, in one trip to memory, then reduces the max
+    and the sum of exp(x - max) with a round of shuffles each; no shared memory, no barrier."""
+    from codegen.latency import SHUFFLE_ROUNDS
+
+    b = GraphBuilder("softmax")
+    rows, columns = 512, 384
+    graph = b.build(b.op("softmax", b.input("x", (rows, columns)), name="sm"))
+    (work,) = stage_works(run_passes(graph, "cuda", stop="plan_arena", device="h100", opt_level=4).ir, H100)
+    assert work.name.split("/")[-1] == "T_softmax_maxelem+T_softmax_expsum+sm"
+    assert (work.template, work.n_tiles, work.memory_steps, work.on_chip_steps, work.block_barriers) == \
+        ("warp_reduce", rows // 8, 1, 2 * SHUFFLE_ROUNDS, 0)
+    assert [(a.kind, a.space, a.per_tile, a.sectors) for a in work.accesses] == \
+        [("load", "global", 8 * columns // 32, 4), ("store", "global", 8 * columns // 32, 4)]
+
+
+def test_a_reduction_with_a_row_epilogue_counts_one_row_per_warp(pair_epilogues):
     """softmax's sum of exp(x - max) with the normalization as its epilogue: a tile of 8 warps
     holds 8 x 384 outputs but reduces 8 rows, one per warp; each lane loads 384 / 32 terms a row
     (a regression: the model once read the epilogue's 384 outputs per warp as 384 rows, and paper

@@ -78,7 +78,8 @@ def test_register_estimates_per_template():
     staged = _staged(models.build("bert", "tiny"))
     templates = {s.schedule.template: stage_registers(s) for s in staged.stages()}
     assert templates == {"elementwise": 32, "warp_reduce": 64, "thread_reduce": 32}
-    assert REGISTER_ESTIMATES == dict(templates, matmul=80)  # tiny BERT's GEMMs are too small for dlight's rule
+    # tiny BERT's GEMMs are too small for dlight's rule; a MetaSchedule schedule's registers are unknown until ptxas
+    assert REGISTER_ESTIMATES == dict(templates, matmul=80, database=128)
     stage = staged.stages()[0]
     # tensor cores: a base plus each thread's share of the tile's float32 accumulators
     stage.schedule = dataclasses.replace(stage.schedule, template="tensor_core", threads=256,

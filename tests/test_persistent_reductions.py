@@ -109,7 +109,7 @@ def test_a_fused_epilogue_computes_exactly_its_tile(kind, shape):
     _check(graph, reference, shape, levels=(3, 4))
 
 
-def test_layer_norm_moments_take_the_row_sums_tiles():
+def test_layer_norm_moments_take_the_row_sums_tiles(pair_epilogues):
     """A warp reduces both moments of its row (``warp_outputs``), so the moments' tiles hold the
     8 rows the row sums' tiles hold: the same block made the sums it reads, and at O4 no grid
     barrier is placed between them (with a warp a moment, a tile held 4 rows and needed one)."""
@@ -148,7 +148,7 @@ def _cuda(kind, shape, level):
 
 
 @pytest.mark.parametrize("level", [0, 4])
-def test_cuda_warp_reductions_combine_their_lanes(level):
+def test_cuda_warp_reductions_combine_their_lanes(level, pair_epilogues):
     """Each warp_reduce stage ends in a warp all-reduce (shuffles, then the result broadcast to
     the warp). Under the persistent tile loop, a stage whose rows fuse several dimensions lost
     it: its 32 lanes added into one element at once."""
@@ -158,7 +158,7 @@ def test_cuda_warp_reductions_combine_their_lanes(level):
     assert model.source.count("= __shfl_sync(") == len(warp_stages)
 
 
-def test_cuda_thread_loops_have_the_block_shape():
+def test_cuda_thread_loops_have_the_block_shape(pair_epilogues):
     """Every thread loop of every stage spans the block (THREADS / 32 warps of 32 lanes). TVM does
     not guard a thread loop of another extent: a shared epilogue bound to one warp per 32 of its
     elements computed only the block's first 256 (the paper BERT's layer norm, 256 of each tile's
@@ -172,7 +172,7 @@ def test_cuda_thread_loops_have_the_block_shape():
         assert bindings and set(bindings) <= block_shape, stage.name
 
 
-def test_cuda_shared_epilogue_waits_for_the_whole_tile():
+def test_cuda_shared_epilogue_waits_for_the_whole_tile(pair_epilogues):
     """A shared epilogue's threads read results other threads wrote into shared memory: a block
     barrier separates the two, also where each warp reads only its own result (rows of 32), and
     where a warp reduces the row's two moments one after the other (a loop around the store)."""
@@ -189,7 +189,7 @@ def _assert_builds_with_warp_all_reduces(graph, level):
     return model
 
 
-def test_cuda_builds_row_and_single_value_reductions_in_one_kernel():
+def test_cuda_builds_row_and_single_value_reductions_in_one_kernel(pair_epilogues):
     """Shared epilogues whose rows straddle a dimension (they failed to build: their thread loop
     had the extent of the box around the tile) next to a reduction to one value, whose single
     result TVM cannot pool with other shared memory: it stays out of shared memory."""

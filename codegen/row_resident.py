@@ -1,0 +1,196 @@
+"""Row-resident stages: a row's statistics and the element-wise output that reads them, one warp
+a row, the row read from memory once and kept in registers.
+
+A softmax is a row's max, then the sum of exp(x - max), then exp(x - max) / sum; a LayerNorm
+the row's sum, then the moments about its mean, then the normalized row. As a reduction stage
+followed by a reduction with a shared-memory epilogue, each row was read three times, its first
+statistic went through global memory, and the output was computed by the whole block after a
+``__syncthreads`` (paper BERT fp16 on an H100: a softmax 14.9 us, a LayerNorm 8.2-9 us, against
+the latency model's 5.0 and 3.6). Here one warp takes a row: its lanes load the row once into
+registers (``WARP`` apart, so that a warp's load is coalesced), reduce each statistic with
+shuffles (TVM's cross-thread all-reduce, which leaves the result in every lane), and write the
+row's outputs, with no shared memory and no block barrier.
+
+The schedule is TVM's: ``compute_at`` of each statistic into the output's warp loop,
+``cache_read`` of the row into ``local`` memory, and its lowering of the cross-thread
+reductions. One step is this module's own (``_thread_private``): TVM sizes a local buffer by
+the region of the row the warp's blocks touch (its lanes' reductions relax over
+``threadIdx.x``), so each thread would hold the whole row, where it reads only its own columns;
+the cache's lane dimension is dropped, which is exact because every read of the cache is at the
+reading thread's own lane (``_reads_along_row`` checks it on the TEs).
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, te, tirx
+from tvm.ir import expr as ir_expr
+
+from codegen.schedule import (SAME_ELEMENTS_AXIS_MAX, WARP, ScheduleError, StageSchedule, lanes_can_reduce, loop_extent,
+                              outer_loop, product_of)
+
+
+def schedule_row_resident(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool,
+                          threads: int) -> tuple[tirx.PrimFunc, StageSchedule]:
+    """``row_resident_stage`` for a staged output TE over ``placeholders`` (``codegen.stage.isolate_fused``)."""
+    return row_resident_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads)
+
+
+def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int) -> tuple[tirx.PrimFunc, StageSchedule]:
+    """Schedule ``func``: reductions over the rows of its last block's output (the statistics,
+    producers first) and that element-wise output, which reads them. Raises ``ScheduleError``
+    where the stage is not of that shape: a statistic whose reduction is not along a whole row,
+    one that recomputes other rows', or one TVM cannot split across a warp's lanes."""
+    sch = s_tir.Schedule(func)
+    *statistics, output = sch.get_child_blocks(sch.get_sblock("root"))
+    if not statistics:
+        raise ScheduleError("a row-resident stage needs at least one reduction before its output")
+    if any(iv.iter_type != tirx.IterVar.DataPar for iv in sch.get(output).iter_vars) or len(sch.get_loops(output)) < 2:
+        raise ScheduleError(f"block {sch.get(output).name_hint}: a row-resident output is element-wise over rows")
+    width = loop_extent(sch, sch.get_loops(output)[-1])
+    for block in statistics:
+        iters = sch.get(block).iter_vars
+        reduced = product_of(int(iv.dom.extent) for iv in iters if iv.iter_type == tirx.IterVar.CommReduce)
+        if reduced != width or any(iv.iter_type not in (tirx.IterVar.DataPar, tirx.IterVar.CommReduce) for iv in iters):
+            raise ScheduleError(f"block {sch.get(block).name_hint} reduces {reduced} terms, not a row of {width}")
+        if gpu and not lanes_can_reduce(sch, block):
+            raise ScheduleError(f"block {sch.get(block).name_hint}: TVM cannot reduce it across a warp's lanes")
+    cached = _cached_reads(sch, statistics, output) if gpu and width % WARP == 0 else []
+    loops = sch.get_loops(output)
+    rows = outer_loop(sch, loops[:-1], loops, output)
+    n_rows = loop_extent(sch, rows)
+    warps = threads // WARP
+    tile, warp = sch.split(rows, [None, warps])
+    _, lane = sch.split(sch.get_loops(output)[-1], [None, WARP])
+    for block in reversed(statistics):
+        sch.compute_at(block, warp)
+    for block in statistics:
+        own = sch.get_loops(block)[2:]
+        kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
+        spatial = own[:len(own) - kinds.count(tirx.IterVar.CommReduce)]
+        per_row = product_of(loop_extent(sch, loop) for loop in spatial)
+        results = product_of(int(d) for d in sch.get(block).writes[0].source.shape)
+        if per_row * n_rows != results or per_row > SAME_ELEMENTS_AXIS_MAX:
+            raise ScheduleError(f"block {sch.get(block).name_hint}: a warp would compute {per_row} of its results, "
+                                f"not its row's {results // n_rows}")
+        reduce_loops = own[len(spatial):]
+        fused = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
+        _, block_lane = sch.split(fused, [None, WARP])
+        sch.set_scope(block, 0, "local")
+        if gpu:
+            sch.bind(block_lane, "threadIdx.x")
+    caches = []
+    for index in cached:
+        cache = sch.cache_read(statistics[0], index, "local", consumer_blocks=[*statistics, output])
+        sch.compute_at(cache, warp)
+        if product_of(loop_extent(sch, loop) for loop in sch.get_loops(cache)[2:]) != width:
+            raise ScheduleError(f"block {sch.get(output).name_hint}: a warp's blocks read more than one row of "
+                                f"{sch.get(cache).reads[0].source.name}")
+        _, cache_lane = sch.split(sch.get_loops(cache)[-1], [None, WARP])
+        sch.bind(cache_lane, "threadIdx.x")
+        sch.transform_layout(cache, ("write", 0), lambda *i: (*i[:-1], i[-1] % WARP, i[-1] // WARP))
+        caches.append(sch.get(cache).writes[0].source)
+    if gpu:
+        sch.bind(tile, "blockIdx.x")
+        sch.bind(warp, "threadIdx.y")
+        sch.bind(lane, "threadIdx.x")
+    scheduled = _thread_private(sch.mod["main"], caches)
+    n_tiles = -(-n_rows // warps)
+    if gpu and n_tiles == 1:
+        # a single tile's statistics are indexed without the tile (like a single tile's epilogue,
+        # ``codegen.schedule.schedule_stage``): simplified, each thread keeps its own row's, not
+        # an array of the tile's rows
+        scheduled = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": scheduled}))["main"]
+    return scheduled, StageSchedule("warp_reduce", n_tiles, warps * width, threads, n_rows * width, 0)
+
+
+def statistics_of(tensor: te.Tensor) -> list[te.Tensor]:
+    """The statistics a row-resident stage's output (its staged TE) reads, directly or through
+    one another: the reductions of its TE graph."""
+    found: dict = {}
+
+    def visit(t: te.Tensor):
+        for read in t.op.input_tensors:
+            if getattr(read.op, "reduce_axis", None) and read.op not in found:
+                found[read.op] = read
+                visit(read)
+
+    visit(tensor)
+    return list(found.values())
+
+
+def _cached_reads(sch: s_tir.Schedule, statistics: list, output) -> list[int]:
+    """The reads of the first statistic (indices into its reads) that every block of the stage
+    reads along the row only (``_reads_along_row``): those a warp loads into registers once."""
+    blocks = [*statistics, output]
+    cached = []
+    for index, region in enumerate(sch.get(statistics[0]).reads):
+        source = region.source
+        if all(_reads_along_row(sch.get(block), source) for block in blocks):
+            cached.append(index)
+    return cached
+
+
+def _reads_along_row(block: s_tir.SBlock, source) -> bool:
+    """Whether ``block`` reads ``source`` (if at all) only at its own row and column: the leading
+    indices its leading spatial iterators (or, for one of extent 1, its one value), the last
+    index its last iterator (a statistic's reduction, the output's column). A lane then reads
+    only the columns it loaded."""
+    reductions = [iv for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    rows = [iv for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
+    if len(reductions) > 1 or not rows:
+        return False
+    column = reductions[0] if reductions else rows[-1]
+    for load in _block_loads(block):
+        if not load.source.same_as(source):
+            continue
+        *leading, last = load.indices
+        if not _is(last, column) or len(leading) > len(rows) or not all(_is(i, iv) for i, iv in zip(leading, rows)):
+            return False
+    return True
+
+
+def _is(index, iterator: tirx.IterVar) -> bool:
+    """Whether ``index`` is always ``iterator``'s value: the iterator itself, or the one value of
+    an iterator of extent 1 (TVM writes 0 for the batch axis of a [1, rows, width] tensor)."""
+    if isinstance(index, tirx.Var):
+        return index.same_as(iterator.var)
+    dom = iterator.dom
+    return (isinstance(index, tirx.IntImm) and isinstance(dom.extent, tirx.IntImm) and int(dom.extent) == 1
+            and isinstance(dom.min, tirx.IntImm) and int(index) == int(dom.min))
+
+
+def _block_loads(block: s_tir.SBlock) -> list:
+    """The buffer loads in the block's body (its stores' values and indices)."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, ir_expr.TensorLoad):
+            found.append(node)
+
+    tvm_ffi.structural_walk(block.body, visit)
+    return found
+
+
+def _thread_private(func: tirx.PrimFunc, caches: list) -> tirx.PrimFunc:
+    """``func`` with each row cache (``local``, laid out [rows..., lane, column // WARP]) indexed by
+    its last dimension only: each thread's own columns, ``width / WARP`` elements."""
+    for cache in caches:
+        private = tirx.decl_buffer((cache.shape[-1],), cache.dtype, name=cache.name, scope="local")
+
+        def buffer(node, cache=cache, private=private):
+            return private if node.same_as(cache) else node
+
+        def load(node, private=private):
+            return tirx.BufferLoad(private, [node.indices[-1]]) if node.source.same_as(private) else node
+
+        def store(node, private=private):
+            return tirx.BufferStore(private, node.value, [node.indices[-1]]) if node.buffer.same_as(private) else node
+
+        def region(node, private=private):
+            return ir_expr.TensorRegion(private, [node.region[-1]], node.ty) if node.source.same_as(private) else node
+
+        func = tvm_ffi.structural_map(func, [(ir_expr.Var, buffer), (ir_expr.TensorLoad, load),
+                                             (tirx.BufferStore, store), (ir_expr.TensorRegion, region)])
+    return func
