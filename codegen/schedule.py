@@ -248,10 +248,75 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         # stage without an epilogue has no second binding to reconcile, and simplified, a
         # warp_reduce one is no longer the pattern TVM's cross-thread lowering recognizes: every
         # lane added into the one result of a full reduction of a 4-D tensor.)
+        # Its lanes' reduction is lowered first: simplified, its fused reduce loops' bindings are
+        # no longer the pattern TVM's cross-thread lowering recognizes, and it would leave them
+        # alone (a sum of all of a (2, 32, 3) tensor: each lane kept its own, every lane stored it;
+        # fuzz seed 1795869453, refused by the validator).
+        func = lower_cross_thread_reductions(func)
         func = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": func}))["main"]
     if gpu and epilogue_mode == "shared":
         func = _synchronize_epilogue(func)
     return func, StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch))
+
+
+def lower_cross_thread_reductions(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with its reductions over thread-bound loops (warp_reduce's lanes) lowered to TVM's
+    cross-thread all-reduce while its tile loop is still a loop. Under the persistent loop the
+    tile is a value bound in the body, so a block whose output index divides it (a fused row of
+    a multi-dimensional output) no longer has an affine binding, and TVM's lowering silently
+    leaves it alone: the lanes would then all accumulate into one element at once. A function
+    without thread bindings (the CPU's) is returned unchanged.
+
+    The lowering writes each warp's result back (block ``<reduction>_write_back``) with none of
+    the reduction's guard: a warp past the last result (a tile of 8 warps for 4 rows) would
+    store its lane's nothing past the end of the results buffer. The write-back gets the guard's
+    terms that hold there (those of loops around it, not of the reduction loops)."""
+    lowered = s_tir.transform.LowerCrossThreadReduction()(tvm.IRModule({"main": func}))["main"]
+    guards = {name: predicate for name, predicate in _block_guards(func.body)}
+    return lowered.with_body(_guarded(lowered.body, guards, []))
+
+
+_WRITE_BACK = "_write_back"
+
+
+def _block_guards(stmt):
+    """(name, predicate) of every block of ``stmt`` (TVM 0.27 has no Python statement visitor)."""
+    if isinstance(stmt, s_tir.SBlockRealize):
+        yield stmt.block.name_hint, stmt.predicate
+        yield from _block_guards(stmt.block.body)
+    elif isinstance(stmt, tirx.SeqStmt):
+        for child in stmt.seq:
+            yield from _block_guards(child)
+    elif isinstance(stmt, (tirx.For, s_tir.SBlock)):
+        yield from _block_guards(stmt.body)
+
+
+def _terms(predicate):
+    if isinstance(predicate, tirx.And):
+        return _terms(predicate.a) + _terms(predicate.b)
+    return [predicate]
+
+
+def _guarded(stmt, guards: dict, loops: list):
+    """``stmt`` with each write-back block guarded by the terms of its reduction's guard over
+    ``loops`` (the loop variables around it)."""
+    if isinstance(stmt, s_tir.SBlockRealize):
+        block, predicate = stmt.block, stmt.predicate
+        if block.name_hint.endswith(_WRITE_BACK) and block.name_hint.removesuffix(_WRITE_BACK) in guards:
+            for term in _terms(guards[block.name_hint.removesuffix(_WRITE_BACK)]):
+                if all(any(var.same_as(loop) for loop in loops) for var in tirx.analysis.undefined_vars(term)):
+                    always = isinstance(predicate, tirx.IntImm) and predicate.value
+                    predicate = term if always else tirx.And(predicate, term)
+        block = type(block)(block.iter_vars, block.reads, block.writes, block.name_hint,
+                            _guarded(block.body, guards, loops), block.init, block.alloc_buffers, block.match_buffers,
+                            block.annotations)
+        return type(stmt)(stmt.iter_values, predicate, block)
+    if isinstance(stmt, tirx.SeqStmt):
+        return tirx.SeqStmt([_guarded(child, guards, loops) for child in stmt.seq])
+    if isinstance(stmt, tirx.For):
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, _guarded(stmt.body, guards, loops + [stmt.loop_var]),
+                        stmt.thread_binding, stmt.annotations)
+    return stmt
 
 
 def lanes_can_reduce(sch: s_tir.Schedule, block) -> bool:

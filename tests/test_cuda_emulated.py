@@ -328,6 +328,26 @@ def test_one_result_of_a_warp_reduction_is_stored_by_one_warp(keepdims):
         np.testing.assert_allclose(mean, inputs["x"].mean(keepdims=keepdims), rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(2, 32, 3), (4, 8, 6)], ids=str)
+def test_a_single_tile_s_reduction_is_reduced_across_its_lanes(shape):
+    """Found by the fuzzer (seed 1795869453): the sum of all of a (2, 32, 3) tensor, kept as
+    (1, 1, 1) and split, is one tile whose stage is simplified; simplified first, its fused
+    reduce loops' bindings were no longer what TVM's cross-thread lowering recognizes, so each
+    lane kept its own sum and every lane stored it (the validator refused the kernel). The
+    lanes' reduction is lowered before the simplification."""
+    from souffle.graph import GraphBuilder
+
+    builder = GraphBuilder("sum_of_all")
+    x = builder.input("x", shape)
+    graph = builder.build(builder.op("split", builder.op("sum", x, keepdims=True), sections=1, axis=-2))
+    inputs = {"x": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
+    assert model.source.count("= __shfl_sync(") == 1  # the warp all-reduce's broadcast of its result
+    for order in ("ascending", "descending"):
+        (total,) = model.schedule(order).run(inputs)
+        np.testing.assert_allclose(total, inputs["x"].sum(keepdims=True), rtol=1e-5, atol=1e-5)
+
+
 def test_warps_past_the_last_result_write_nothing_back():
     """Found by the emulator (fuzz seed 1035): a layer norm of 4 rows, its statistics reduced by
     a tile of 8 warps: TVM's cross-thread lowering wrote every warp's result back unguarded, so
