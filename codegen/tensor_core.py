@@ -179,25 +179,26 @@ def _tvm_cuda_intrinsics():
 
 
 @functools.cache
-def wmma_intrinsics(operand_dtype: str) -> dict[str, str]:
+def wmma_intrinsics(operand_dtype: str, trans_b: bool = True) -> dict[str, str]:
     """The names of TVM's wmma intrinsics this schedule tensorizes with, for operands of
-    ``operand_dtype``: operands loaded from ``shared.dyn``, the second transposed, float32
-    accumulators stored to ``shared.dyn``. TVM registers them for float16 operands only; the
-    others' are registered here, on first use, from TVM's generators, under the names TVM's scheme
-    gives them: ``bf16`` for ``f16``, and for float32 operands (TF32) the m16n16k8 shape, ``tf32``
-    operands and their own float32 fill and store (an accumulator fragment's shape is its type)."""
+    ``operand_dtype``: operands loaded from ``shared.dyn``, the second transposed (its slice
+    [columns, terms]) or, without ``trans_b``, not ([terms, columns]), float32 accumulators stored
+    to ``shared.dyn``. TVM registers them for float16 operands only; the others' are registered
+    here, on first use, from TVM's generators, under the names TVM's scheme gives them: ``bf16``
+    for ``f16``, and for float32 operands (TF32) the m16n16k8 shape, ``tf32`` operands and their
+    own float32 fill and store (an accumulator fragment's shape is its type)."""
     cuda = _tvm_cuda_intrinsics()
 
     group = cuda.get_wmma_intrin_group(load_scope="shared.dyn", store_scope="shared.dyn", in_dtype="float16",
-                                       out_dtype="float32", trans_b=True)
+                                       out_dtype="float32", trans_b=trans_b)
     if operand_dtype == "float16":
         return group
     assert operand_dtype in FRAGMENT_K, operand_dtype
     k = FRAGMENT_K[operand_dtype]
     generated = {
         "load_a": cuda.get_wmma_load_intrin(FRAGMENT, FRAGMENT, k, operand_dtype, "shared.dyn", False, False),
-        "load_b": cuda.get_wmma_load_intrin(FRAGMENT, FRAGMENT, k, operand_dtype, "shared.dyn", True, True),
-        "compute": cuda.get_wmma_sync_intrin(FRAGMENT, FRAGMENT, k, operand_dtype, "float32", True),
+        "load_b": cuda.get_wmma_load_intrin(FRAGMENT, FRAGMENT, k, operand_dtype, "shared.dyn", True, trans_b),
+        "compute": cuda.get_wmma_sync_intrin(FRAGMENT, FRAGMENT, k, operand_dtype, "float32", trans_b),
     }
     if operand_dtype == "float32":
         generated["init"] = cuda.get_wmma_fill_intrin(FRAGMENT, FRAGMENT, k, "float32")
@@ -276,6 +277,34 @@ def _copies_whole_vectors(sch: s_tir.Schedule, copy) -> bool:
     return True
 
 
+def _steps_by_one(sch: s_tir.Schedule, copy, dim: int) -> bool:
+    """Whether ``copy`` (an operand's reindex copy, ``T[s, j, k] = B[...]``) reads the next element
+    in memory for the next element of ``T`` along its dimension ``dim``: the operand's rows run
+    along that dimension. isl finds no two points of the copy whose writes are one apart along
+    ``dim`` (and equal elsewhere) whose reads are not one apart."""
+    block = sch.get(copy)
+    if not isinstance(block.body, tirx.BufferStore):
+        return False
+    loads = [e for e in sub_expressions(block.body.value) if isinstance(e, TensorLoad)]
+    if len(loads) != 1:
+        return False
+    iters = block.iter_vars
+    points = {tag: [f"{tag}{k}" for k in range(len(iters))] for tag in ("p", "q")}
+    writers = {tag: IslWriter([(iv.var, name) for iv, name in zip(iters, names)]) for tag, names in points.items()}
+    domain = [f"{int(iv.dom.min)} <= {name} < {int(iv.dom.min) + int(iv.dom.extent)}"
+              for names in points.values() for iv, name in zip(iters, names)]
+    flat = row_major(list(loads[0].indices), loads[0].source.shape)
+    try:
+        written = {tag: [w.index(i).text for i in block.body.indices] for tag, w in writers.items()}
+        read = {tag: w.index(flat).text for tag, w in writers.items()}
+    except NotAffine:
+        return False
+    neighbours = [f"{q} = {p} + {int(k == dim)}" for k, (p, q) in enumerate(zip(written["p"], written["q"]))]
+    names = ", ".join(points["p"] + points["q"])
+    apart = isl.Set(f"{{ [{names}] : {' and '.join(domain + neighbours)} and {read['q']} != {read['p']} + 1 }}")
+    return apart.is_empty()
+
+
 def _operand_dtypes(tile: TensorCoreTile) -> tuple[str, ...]:
     """What ``tile``'s fragments multiply: float32 in TF32 for m16n16k8, float16 or bfloat16 for m16n16k16."""
     return tuple(dtype for dtype, k in FRAGMENT_K.items() if k == tile.fragment_k)
@@ -344,6 +373,12 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     sch.transform_layout(reindex_b, ("write", 0), b_map)
     sch.transform_layout(reindex_c, ("read", 0), c_map)
     sch.transform_block_layout(main, block_map)
+    # the second operand's slice in its own order where its rows run along the GEMM's columns
+    # (a batched product's values, P.V's V): copied as [terms, columns], each vector consecutive
+    # elements, where as [columns, terms] each vector gathered elements a row apart
+    trans_b = not (tile.fragment_k == FRAGMENT and _steps_by_one(sch, reindex_b, 1) and not _steps_by_one(sch, reindex_b, 2))
+    if not trans_b:
+        sch.transform_layout(reindex_b, ("write", 0), lambda s, j, k: (s, k, j))
     extents = gemm_extents(sch, main)
     if extents is None:
         return None
@@ -410,7 +445,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     fragments_init = sch.decompose_reduction(outer, k_chunk)
     init = sch.get_child_blocks(fragments_init)[0]
 
-    intrinsics = wmma_intrinsics(operands[0])
+    intrinsics = wmma_intrinsics(operands[0], trans_b)
 
     def in_fragments(block, columns: int = FRAGMENT):
         """The block's last two loops split into 16 x ``columns`` fragments, the loops over
