@@ -135,6 +135,10 @@ TILES = tuple(TensorCoreTile(2, 4, i, j, async_stages=ASYNC_STAGES) for i, j in 
 # would take 120 KB, more than two blocks of an H100 SM may have (the partition then split Swin at
 # tf32 into 8 kernels, where 2 copies, 80 KB, keep it in 2).
 TF32_ASYNC_STAGES = 2
+# bfloat16 operands take the same tiles in a ring of two: in a ring of three, paper BERT at bf16
+# needed 255 registers and spilled 24 B (ptxas, sm_90); in a ring of two, 174 and none. The H100
+# model estimates both the same (the tiles are bound by their fragment loads).
+BF16_ASYNC_STAGES = 2
 TF32_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"], async_stages=TF32_ASYNC_STAGES)
                    for tile in TILES)
 # Tiles one or two fragments wide, for a GEMM of at most ``NARROW_COLUMNS`` columns (a grouped
@@ -359,6 +363,8 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     if operands not in [[dtype, dtype] for dtype in _operand_dtypes(tile)] or \
             [str(w.source.dtype) for w in stmt.writes] != ["float32"]:
         return None
+    if operands[0] == "bfloat16" and tile.copies_async:
+        tile = dataclasses.replace(tile, async_stages=BF16_ASYNC_STAGES)
     try:
         reindex_a = sch.reindex(main, ("read", 0))
         reindex_b = sch.reindex(main, ("read", 1))
