@@ -28,7 +28,7 @@ from tvm import s_tir, te, tirx
 from tvm.ir import expr as ir_expr
 
 from codegen.schedule import (SAME_ELEMENTS_AXIS_MAX, WARP, ScheduleError, StageSchedule, lanes_can_reduce, loop_extent,
-                              lower_cross_thread_reductions, outer_loop, product_of)
+                              outer_loop, product_of)
 
 
 def schedule_row_resident(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool,
@@ -100,9 +100,7 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int) -> tuple[ti
     if gpu and n_tiles == 1:
         # a single tile's statistics are indexed without the tile (like a single tile's epilogue,
         # ``codegen.schedule.schedule_stage``): simplified, each thread keeps its own row's, not
-        # an array of the tile's rows; their lanes' reductions lowered first, which simplified
-        # bindings can hide from TVM's cross-thread lowering
-        scheduled = lower_cross_thread_reductions(scheduled)
+        # an array of the tile's rows
         scheduled = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": scheduled}))["main"]
     return scheduled, StageSchedule("warp_reduce", n_tiles, warps * width, threads, n_rows * width, 0)
 
