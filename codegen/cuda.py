@@ -49,7 +49,8 @@ def _block_sync() -> tirx.Stmt:
     return tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
 
 
-def _thread_loop(var: tirx.Var, extent: int, tag: str, body: tirx.Stmt) -> tirx.Stmt:
+def thread_loop(var: tirx.Var, extent: int, tag: str, body: tirx.Stmt) -> tirx.Stmt:
+    """``for var in thread_binding(extent, tag): body``."""
     binding = tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
     return tirx.For(var, 0, extent, tirx.ForKind.THREAD_BINDING, body, thread_binding=binding)
 
@@ -60,7 +61,7 @@ def _block_threads(threads: int):
         warp, lane, i = tirx.Var("ty", "int32"), tirx.Var("tx", "int32"), tirx.Var("i", "int32")
         e = i * threads + warp * WARP + lane
         rounds = tirx.For(i, 0, -(-n // threads), tirx.ForKind.SERIAL, tirx.IfThenElse(e < n, body(e), None))
-        return _thread_loop(warp, threads // WARP, "threadIdx.y", _thread_loop(lane, WARP, "threadIdx.x", rounds))
+        return thread_loop(warp, threads // WARP, "threadIdx.y", thread_loop(lane, WARP, "threadIdx.x", rounds))
     return elements
 
 

@@ -27,6 +27,7 @@ import tvm_ffi
 from tvm import s_tir, te, tirx
 from tvm.ir import expr as ir_expr
 
+from analysis.dependence import sub_expressions
 from codegen.schedule import (SAME_ELEMENTS_AXIS_MAX, WARP, ScheduleError, StageSchedule, lanes_can_reduce, loop_extent,
                               outer_loop, product_of)
 
@@ -142,8 +143,8 @@ def _reads_along_row(block: s_tir.SBlock, source) -> bool:
     if len(reductions) > 1 or not rows:
         return False
     column = reductions[0] if reductions else rows[-1]
-    for load in _block_loads(block):
-        if not load.source.same_as(source):
+    for load in sub_expressions(block.body):
+        if not (isinstance(load, ir_expr.TensorLoad) and load.source.same_as(source)):
             continue
         *leading, last = load.indices
         if not _is(last, column) or len(leading) > len(rows) or not all(_is(i, iv) for i, iv in zip(leading, rows)):
@@ -159,18 +160,6 @@ def _is(index, iterator: tirx.IterVar) -> bool:
     dom = iterator.dom
     return (isinstance(index, tirx.IntImm) and isinstance(dom.extent, tirx.IntImm) and int(dom.extent) == 1
             and isinstance(dom.min, tirx.IntImm) and int(index) == int(dom.min))
-
-
-def _block_loads(block: s_tir.SBlock) -> list:
-    """The buffer loads in the block's body (its stores' values and indices)."""
-    found = []
-
-    def visit(node):
-        if isinstance(node, ir_expr.TensorLoad):
-            found.append(node)
-
-    tvm_ffi.structural_walk(block.body, visit)
-    return found
 
 
 def _thread_private(func: tirx.PrimFunc, caches: list) -> tirx.PrimFunc:

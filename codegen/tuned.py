@@ -28,6 +28,7 @@ import tvm_ffi
 from tvm import s_tir, te, tirx
 from tvm.s_tir import meta_schedule as ms
 
+from codegen.cuda import thread_loop
 from codegen.schedule import WARP, StageSchedule, stitchable
 from souffle.errors import TargetError
 
@@ -166,12 +167,7 @@ def _onto_warps(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc:
         index = warp * WARP + lane
         old = node.loop_var
         body = tvm_ffi.structural_map(node.body, [(tirx.Var, lambda v: index if v.same_as(old) else v)])
-        lanes = _thread_loop(lane, WARP, "threadIdx.x", body)
-        return _thread_loop(warp, threads // WARP, "threadIdx.y", lanes)
+        lanes = thread_loop(lane, WARP, "threadIdx.x", body)
+        return thread_loop(warp, threads // WARP, "threadIdx.y", lanes)
 
     return tvm_ffi.structural_map(func, [(tirx.For, rebind)], order="pre")
-
-
-def _thread_loop(var: tirx.Var, extent: int, tag: str, body: tirx.Stmt) -> tirx.Stmt:
-    binding = tirx.IterVar(tvm.ir.Range(0, extent), tirx.Var(tag, str(var.ty.dtype)), tirx.IterVar.ThreadIndex, tag)
-    return tirx.For(var, 0, extent, tirx.ForKind.THREAD_BINDING, body, thread_binding=binding)

@@ -54,6 +54,20 @@ def _threads_along_x(mod: tvm.IRModule, threads: int) -> s_tir.Schedule:
     return sch
 
 
+def _each_block_its_kernel(mod: tvm.IRModule, threads: tuple[int, int], gemm_scope: str = "global") -> s_tir.Schedule:
+    """The GEMM and its relu each in tiles of ``threads`` of its outputs, one a thread along
+    threadIdx.x, as two kernels would be; the GEMM's result kept in ``gemm_scope``."""
+    sch = s_tir.Schedule(mod)
+    gemm, relu = sch.get_child_blocks(sch.get_sblock("root"))
+    sch.set_scope(gemm, 0, gemm_scope)
+    for block, count in zip((gemm, relu), threads):
+        i, j, *_ = sch.get_loops(block)
+        tile, thread = sch.split(sch.fuse(i, j), [None, count])
+        sch.bind(tile, "blockIdx.x")
+        sch.bind(thread, "threadIdx.x")
+    return sch
+
+
 def _database(tmp_path, mod: tvm.IRModule, sch: s_tir.Schedule, run_seconds=RUN_SECONDS):
     database = ms.database.JSONDatabase(work_dir=str(tmp_path))
     tuned = ms.TuneContext(mod=mod["main"]).mod  # the workload as tune_tir commits it (its normalization)
@@ -123,15 +137,7 @@ def test_a_record_binding_two_thread_counts_is_refused(tmp_path):
     block along threadIdx.x are re-bound onto the kernel's warps, so the record is refused."""
     graph = _dense_relu()
     name, mod = _workload(graph)
-    sch = s_tir.Schedule(mod)
-    gemm, relu = sch.get_child_blocks(sch.get_sblock("root"))
-    sch.set_scope(gemm, 0, "shared")
-    for block, threads in ((gemm, 256), (relu, 128)):
-        i, j, *_ = sch.get_loops(block)
-        flat = sch.fuse(i, j)
-        tile, thread = sch.split(flat, [None, threads])
-        sch.bind(tile, "blockIdx.x")
-        sch.bind(thread, "threadIdx.x")
+    sch = _each_block_its_kernel(mod, (256, 128), "shared")
     model = souffle.compile(graph, target="cuda", opt_level=4, database=_database(tmp_path, mod, sch))
     assert "it binds threadIdx.x = 128, threadIdx.x = 256;" in model.report().extra["database 1"]
 
@@ -139,12 +145,7 @@ def test_a_record_binding_two_thread_counts_is_refused(tmp_path):
 def test_a_schedule_keeping_an_intermediate_in_global_memory_is_refused(tmp_path):
     graph = _dense_relu()
     name, mod = _workload(graph)
-    sch = s_tir.Schedule(mod)
-    gemm, relu = sch.get_child_blocks(sch.get_sblock("root"))
-    for block in (gemm, relu):
-        i, j, *_ = sch.get_loops(block)
-        sch.bind(i, "blockIdx.x")
-        sch.bind(j, "threadIdx.x")
+    sch = _each_block_its_kernel(mod, (192, 192))  # a row of the 256 x 192 output a block
     model = souffle.compile(graph, target="cuda", opt_level=4, database=_database(tmp_path, mod, sch))
     assert "in global memory, which a kernel cannot allocate" in model.report().extra["database 1"]
 

@@ -140,6 +140,14 @@ def test_a_launch_the_code_does_not_declare_is_refused(lstm_o4):
     assert violations.violations[0].startswith("launch fit: threadIdx.y is launched over 4, but the block is (32, 8, 1)")
 
 
+def _launched(stmt, grid, bx, tx, ty):
+    """``stmt`` run by blocks of 8 warps of 32 lanes (``ty``, ``tx``) on a grid of ``grid`` blocks (``bx``)."""
+    for var, tag, extent in ((ty, "threadIdx.y", 8), (tx, "threadIdx.x", 32), (bx, "blockIdx.x", grid)):
+        binding = tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
+        stmt = tirx.AttrStmt(binding, "thread_extent", extent, stmt)
+    return stmt
+
+
 def _lane_zero_then_all_lanes(sync: bool) -> tirx.PrimFunc:
     """Lane 0 of each warp writes shared S[warp]; then every lane reads S[warp] (with or without
     a __syncthreads between): the pattern of a warp reduction's result handed to its warp."""
@@ -156,9 +164,7 @@ def _lane_zero_then_all_lanes(sync: bool) -> tirx.PrimFunc:
     # one stage of one tile: for t in range(ceildiv(1 - blockIdx.x, grid_size))
     stage = tirx.For(t, 0, tirx.floordiv(grid - bx, grid), tirx.ForKind.SERIAL, tirx.SeqStmt(body))
     stmt = tirx.SeqStmt([tirx.AllocBuffer(shared), stage])
-    for var, tag, extent in ((ty, "threadIdx.y", 8), (tx, "threadIdx.x", 32), (bx, "blockIdx.x", grid)):
-        binding = tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
-        stmt = tirx.AttrStmt(binding, "thread_extent", extent, stmt)
+    stmt = _launched(stmt, grid, bx, tx, ty)
     return tirx.PrimFunc([n, grid], stmt)
 
 
@@ -208,9 +214,7 @@ def _offset_division_read(guarded: bool) -> tirx.PrimFunc:
         value = tirx.if_then_else(i >= 3, value, tirx.const(0.0, "float32"))
     stage = tirx.For(t, 0, tirx.floordiv(grid - bx, grid), tirx.ForKind.SERIAL, tirx.BufferStore(out, value, [i]))
     stmt = stage
-    for var, tag, extent in ((ty, "threadIdx.y", 8), (tx, "threadIdx.x", 32), (bx, "blockIdx.x", grid)):
-        binding = tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
-        stmt = tirx.AttrStmt(binding, "thread_extent", extent, stmt)
+    stmt = _launched(stmt, grid, bx, tx, ty)
     return tirx.PrimFunc([grid], stmt)
 
 
@@ -238,9 +242,7 @@ def _gathered_vector_read(out_offset: int) -> tirx.PrimFunc:
     stage = tirx.For(t, 0, tirx.floordiv(grid - bx, grid), tirx.ForKind.SERIAL, store)
     stmt = tirx.SeqStmt([tirx.DeclBuffer(src, data=tirx.address_of(tirx.BufferLoad(arena, [0]))),
                          tirx.DeclBuffer(out, data=tirx.address_of(tirx.BufferLoad(arena, [out_offset]))), stage])
-    for var, tag, extent in ((ty, "threadIdx.y", 8), (tx, "threadIdx.x", 32), (bx, "blockIdx.x", grid)):
-        binding = tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
-        stmt = tirx.AttrStmt(binding, "thread_extent", extent, stmt)
+    stmt = _launched(stmt, grid, bx, tx, ty)
     return tirx.PrimFunc([grid], stmt)
 
 
@@ -273,9 +275,7 @@ def _table_lookup(out_offset: int) -> tirx.PrimFunc:
     stage = tirx.For(t, 0, tirx.floordiv(1 - bx + grid - 1, grid), tirx.ForKind.SERIAL, store)
     stmt = tirx.SeqStmt([tirx.DeclBuffer(table, data=tirx.address_of(tirx.BufferLoad(arena, [0]))),
                          tirx.DeclBuffer(out, data=tirx.address_of(tirx.BufferLoad(arena, [out_offset]))), stage])
-    for var, tag, extent in ((ty, "threadIdx.y", 8), (tx, "threadIdx.x", 32), (bx, "blockIdx.x", grid)):
-        binding = tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
-        stmt = tirx.AttrStmt(binding, "thread_extent", extent, stmt)
+    stmt = _launched(stmt, grid, bx, tx, ty)
     return tirx.PrimFunc([grid], stmt)
 
 
