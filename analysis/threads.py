@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import islpy as isl
 import tvm
-from tvm import tirx
+from tvm import sym, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds
 from tvm.tirx.build import split_host_device_mods
 from tvm_ffi import structural_equal
@@ -422,6 +422,10 @@ class Access:
     # what a thread has yet to read) and against the landing with it first (a thread reads the copy
     # after it lands); ``Checker.in_flight`` refuses every access in between.
     copy: str = ""
+    # bytes the access's address must be a multiple of, where more than its element's: a vector
+    # load or store of a Ramp (one instruction of all its lanes), a cp.async's bytes
+    align: int = 0
+    lane: str | None = None  # a vector index's lane variable (its first element at lane 0)
 
     @property
     def stmt(self) -> str:
@@ -1036,10 +1040,13 @@ class Walker:
             return access
         found = self.index(indices[0], ctx, buffer)
         index, variables, domain = found if found is not None else (None, ctx.variables, ctx.domain)
+        lanes = tvm.DataType(str(indices[0].ty.dtype)).lanes
+        align = width if width is not None else \
+            lanes * (buffer.dtype.bits // 8) if _one_instruction(indices[0], lanes, write) else 0
         if width is None:
-            width = memory.elem_bytes if tvm.DataType(str(indices[0].ty.dtype)).lanes == 1 else buffer.dtype.bits // 8
+            width = memory.elem_bytes if lanes == 1 else buffer.dtype.bits // 8
         access = Access(stmt, buffer.name, memory, write, index, width, variables, domain, ctx.path, ctx.block,
-                        ctx.stage, ctx.approximate, copy)
+                        ctx.stage, ctx.approximate, copy, align, variables[-1] if lanes > 1 and found else None)
         self.kernel.accesses.append(access)
         if write and ctx.stage is not None:
             tile, n, name = self.kernel.stages[ctx.stage]
@@ -1078,6 +1085,20 @@ class Walker:
         for x in numerators:
             if not _is_empty(_set(self.kernel.params, [(variables, domain, "_a")], [f"{x.render('_a')} < 0"])):
                 raise NonAffine(f"a C division of {x.render()}, which may be negative")
+
+
+def _one_instruction(index, lanes: int, write: bool) -> bool:
+    """Whether TVM's CUDA code generator prints an access at ``index`` (``lanes`` elements) as one
+    instruction of all its lanes (``*(float4*)``), whose address must then be on its bytes: a store
+    of a Ramp of stride 1 always, a load only where the Ramp's start is a multiple of its lanes by
+    TVM's modular analysis (else lane by lane, as ``CodeGenC`` does)."""
+    if lanes == 1 or not (isinstance(index, tirx.Ramp) and isinstance(index.stride, tirx.IntImm)
+                          and index.stride.value == 1):
+        return False
+    if write:
+        return True
+    start = sym.Analyzer().modular_set(index.base)
+    return start.coeff % lanes == 0 and start.base % lanes == 0
 
 
 def _in_path(path: tuple, loop: int) -> bool:
@@ -1370,6 +1391,34 @@ class Checker:
                     f"{'writes' if a.write else 'reads'} {a.memory.scope} {a.buffer}[{self.element(a, p, '_a')}], "
                     f"outside {what} (grid size {p[GRID]}): {a.stmt}")
                 break
+
+    def alignment(self):
+        """Every vector access (a Ramp printed as one instruction) and every cp.async starts on a
+        multiple of its bytes, counted from its allocation's start (a GPU's allocations, global
+        and shared, start on at least 16 bytes): else the GPU raises a misaligned address, which
+        no CPU run shows (an x86 load may straddle). The coefficients first, isl where they cannot
+        tell."""
+        for a in self.kernel.accesses:
+            if a.align <= a.memory.elem_bytes or a.index is None or a.memory.offset is None:
+                continue
+            address = a.memory.offset + a.index.scale(a.memory.elem_bytes)
+            if all(v % a.align == 0 for k, v in address.terms.items() if a.lane is None or (a.lane,) != k):
+                continue
+            first = [f"{a.lane}_a = 0"] if a.lane else []
+            found = _set(self.kernel.params, [(a.variables, a.domain, "_a")],
+                         first + [f"({_address(a, '_a')}) mod {a.align} != 0"])
+            if _is_empty(found):
+                continue
+            p = _point(found)
+            try:
+                byte = _evaluate(address, {k.removesuffix("_a"): v for k, v in p.items()
+                                           if k.endswith("_a") or _is_parameter(k)})
+            except (KeyError, TypeError):
+                byte = "?"
+            self.violations.append(
+                f"{self.stage_name(a.stage)}: {self.describe(a, p, '_a')} {'writes' if a.write else 'reads'} "
+                f"{a.align} bytes of {a.memory.scope} {a.buffer} from element {self.element(a, p, '_a')}, byte "
+                f"{byte} of its allocation, not a multiple of {a.align} (a misaligned address): {a.stmt}")
 
     def coverage(self):
         by_stage: dict = {}
@@ -1676,6 +1725,7 @@ def validate_kernel(func: tirx.PrimFunc, threads: int, name: str = "kernel", cou
     checker.violations += kernel.errors
     if not kernel.errors:
         checker.bounds()
+        checker.alignment()
         checker.coverage()
         checker.races()
         checker.in_flight()

@@ -179,6 +179,38 @@ def test_a_cp_async_the_emulator_does_not_model_is_refused():
         _run(source, "ascending", [_x()], 1)
 
 
+# REVERSE in 16-byte copies (cp.async.cg, what codegen.tensor_core's copies of 16-bit operands are):
+# 16 threads each copy four floats, from ``SHIFT`` floats into the tile
+ASYNC_REVERSE_16 = """
+__forceinline__ __device__ void ptx_cp_async_16(void* dst, int dst_off, void* src, int src_off) {
+  uint8_t* dst_p = (uint8_t*)dst + dst_off * 4;
+  uint8_t* src_p = (uint8_t*)src + src_off * 4;
+  unsigned int dst_addr = __cvta_generic_to_shared(dst_p);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], %2;"
+    :: "r"(dst_addr), "l"(src_p), "n"(16));
+}
+""" + CP_ASYNC_HELPERS + _kernel("""
+  __shared__ alignas(64) float tile[72];
+  if (threadIdx.x < 16) ptx_cp_async_16(tile, 4 * threadIdx.x + SHIFT, x_ptr, blockIdx.x * 64 + 4 * threadIdx.x);
+  commit();
+  wait_all();
+  __syncthreads();
+  y_ptr[blockIdx.x * 64 + threadIdx.x] = tile[63 + SHIFT - threadIdx.x];""")
+
+
+def test_a_16_byte_cp_async_lands_whole():
+    (y,) = _run(ASYNC_REVERSE_16.replace("SHIFT", "4"), "descending", [_x()], 1)
+    np.testing.assert_array_equal(y, _x().reshape(GRID, 64)[:, ::-1].reshape(-1))
+
+
+def test_a_cp_async_to_an_address_not_on_its_bytes_is_caught():
+    """A GPU raises a misaligned address where a cp.async's addresses are not on a multiple of its
+    bytes: two floats into the tile, 8 bytes, is not on 16."""
+    with pytest.raises(EmulationError, match=r"block \d thread \(0,0,0\): a cp.async of 16 bytes to 0x[0-9a-f]+, "
+                                             r"8 bytes past a multiple of 16: a misaligned address"):
+        _run(ASYNC_REVERSE_16.replace("SHIFT", "2"), "ascending", [_x()], 1)
+
+
 def test_dropped_grid_barrier_is_a_race():
     with pytest.raises(EmulationError, match=r"data race on x byte 256: block 0 thread \(0,0,0\) read it and block 1 thread \(0,0,0\) writes it with no grid barrier"):
         _run(EXCHANGE.replace("cooperative_groups::this_grid().sync();", ""), "ascending", [_x()], 1)

@@ -4,6 +4,7 @@ two threads, and agrees with an independent concrete run (scripts/validate_mutan
 full mutation test)."""
 
 import importlib
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -258,6 +259,45 @@ def test_a_vector_gathers_lanes_are_read_each_at_its_own_index():
     assert violation.startswith("stage 0 (writes out): thread (25,7) of tile 0 and thread (0,0) of tile 0 (same "
                                 "block, grid size 1) write and read global src[66] / out[2] with no __syncthreads"), \
         violation
+
+
+def test_a_vector_store_off_its_bytes_is_a_misaligned_address():
+    """Each thread's four floats of ``out`` are one 16-byte store (a Ramp, ``float4``): from
+    element 97 of the arena they start 4 bytes past a multiple of 16, which a GPU refuses and a CPU
+    run does not notice. The gathered read, four loads, has no such bound."""
+    assert validate_kernel(_gathered_vector_read(out_offset=96), 256).violations == ()
+    (violation,) = validate_kernel(_gathered_vector_read(out_offset=97), 256).violations
+    found = re.match(r"stage 0 \(writes out\): thread \(\d+,\d+\) of tile 0 writes 16 bytes of global out from "
+                     r"element (\d+), byte (\d+) of its allocation, not a multiple of 16 \(a misaligned address\)",
+                     violation)
+    assert found and int(found[2]) == 4 * (97 + int(found[1])), violation
+
+
+def _vector_copy(src_offset: int, shift: int) -> tirx.PrimFunc:
+    """Each of 256 threads copies four floats, ``src[4 i + shift]`` on to ``out[4 i]``: ``src`` a view
+    from element ``src_offset`` of one arena, ``out`` from element 2048."""
+    grid = tirx.Var("grid_size", "int32")
+    arena = tirx.decl_buffer((4096,), "float32", name="arena")
+    src, out = tirx.decl_buffer((1040,), "float32", name="src"), tirx.decl_buffer((1024,), "float32", name="out")
+    bx, tx, ty = (tirx.Var(name, "int32") for name in ("blockIdx_x", "threadIdx_x", "threadIdx_y"))
+    t = tirx.Var("t", "int32")
+    i = (bx + t * grid) * 256 + ty * 32 + tx
+    store = tirx.BufferStore(out, tirx.BufferLoad(src, [tirx.Ramp(i * 4 + shift, 1, 4)]), [tirx.Ramp(i * 4, 1, 4)])
+    stage = tirx.For(t, 0, tirx.floordiv(grid - bx, grid), tirx.ForKind.SERIAL, store)
+    stmt = tirx.SeqStmt([tirx.DeclBuffer(src, data=tirx.address_of(tirx.BufferLoad(arena, [src_offset]))),
+                         tirx.DeclBuffer(out, data=tirx.address_of(tirx.BufferLoad(arena, [2048]))), stage])
+    return tirx.PrimFunc([grid], _launched(stmt, grid, bx, tx, ty))
+
+
+def test_a_vector_load_is_one_instruction_only_where_tvm_proves_its_start_aligned():
+    """TVM's CUDA code generator loads a Ramp whose start its modular analysis cannot prove a
+    multiple of its lanes lane by lane (``src[4 i + 1]``: no bound on the address); one it can,
+    as one 16-byte load, which from a view 8 bytes into the arena is misaligned."""
+    assert validate_kernel(_vector_copy(src_offset=0, shift=1), 256).violations == ()
+    assert validate_kernel(_vector_copy(src_offset=0, shift=0), 256).violations == ()
+    (violation,) = validate_kernel(_vector_copy(src_offset=2, shift=0), 256).violations
+    assert re.match(r"stage 0 \(writes out\): thread \(\d+,\d+\) of tile 0 reads 16 bytes of global src from element "
+                    r"\d+, byte \d+ of its allocation, not a multiple of 16 \(a misaligned address\)", violation), violation
 
 
 def _table_lookup(out_offset: int) -> tirx.PrimFunc:

@@ -235,6 +235,18 @@ void check_granule(Granule& granule, bool write, const char* memory, size_t offs
 
 void switch_to_scheduler();
 
+// ``address``'s offset from the start of its buffer: the block's shared memory or a global buffer
+// (the address itself outside them).
+size_t buffer_offset(const void* address) {
+  uintptr_t at = reinterpret_cast<uintptr_t>(address);
+  uintptr_t tls = reinterpret_cast<uintptr_t>(launch->tls);
+  if (at >= tls && at < tls + launch->tls_bytes) return at - tls;
+  auto region = std::upper_bound(launch->regions.begin(), launch->regions.end(), at,
+                                 [](uintptr_t a, const Region& r) { return a < r.begin; });
+  if (region != launch->regions.begin() && at < (--region)->end) return at - region->begin;
+  return at;
+}
+
 void on_access(void* address, size_t bytes, bool write, void* return_address) {
   if (launch == nullptr || launch->current == nullptr || !launch->error.empty()) return;
   uintptr_t at = reinterpret_cast<uintptr_t>(address);
@@ -512,7 +524,20 @@ void souffle_grid_sync() { wait(AT_GRID_SYNC, 0); }
 
 // cp.async: the source was read (and checked) by the kernel's own instrumented code; the copy
 // lands in shared memory when a wait retires its group, checked as this thread's write there.
-void souffle_cp_async_issue(void* destination, const void* data, int bytes) {
+// Both addresses must be on a multiple of the copy's bytes (PTX ISA, cp.async), counted from the
+// start of their buffers, which a GPU allocates on 256 bytes: else the GPU's misaligned address.
+void souffle_cp_async_issue(void* destination, const void* source, const void* data, int bytes) {
+  for (const void* address : {static_cast<const void*>(destination), source}) {
+    if (buffer_offset(address) % bytes) {
+      const Fiber& fiber = *launch->current;
+      fail("kernel %s: %s: a cp.async of %d bytes %s %p, %zu bytes past a multiple of %d: a misaligned address",
+           launch->kernel.c_str(), thread_name(fiber.block, fiber.thread).c_str(), bytes,
+           address == source ? "from" : "to", address, buffer_offset(address) % bytes, bytes);
+      launch->error_pcs = module_offset(reinterpret_cast<uintptr_t>(__builtin_return_address(0)));
+      switch_to_scheduler();
+      return;
+    }
+  }
   AsyncCopy copy{static_cast<char*>(destination), {}, bytes, -1,
                  reinterpret_cast<uintptr_t>(__builtin_return_address(0))};
   std::memcpy(copy.data, data, bytes);

@@ -25,7 +25,7 @@ unsigned souffle_activemask();
 // cp.async (codegen.tensor_core's asynchronous pipeline): a copy is held until the
 // cp.async.wait_group that retires its group, then written (souffle.runtime.emulated rewrites
 // TVM's inline PTX into these).
-void souffle_cp_async_issue(void* destination, const void* data, int bytes);
+void souffle_cp_async_issue(void* destination, const void* source, const void* data, int bytes);
 void souffle_cp_async_commit();
 void souffle_cp_async_wait(int pending);
 }
@@ -34,7 +34,7 @@ void souffle_cp_async_wait(int pending);
 inline void souffle_cp_async(void* destination, const void* source, int bytes) {
   unsigned char data[16];
   for (int b = 0; b < bytes; ++b) data[b] = static_cast<const unsigned char*>(source)[b];
-  souffle_cp_async_issue(destination, data, bytes);
+  souffle_cp_async_issue(destination, source, data, bytes);
 }
 
 // A predicated cp.async whose predicate fails stores zeros at once (``st.shared``).
