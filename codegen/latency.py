@@ -449,8 +449,8 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
                       dram: Dram) -> StageWork:
     """One execution of a stage on tensor cores (``codegen.tensor_core``), from its tile: per
     chunk of ``depth`` terms every thread copies its share of both operands' slices (``rows +
-    columns`` rows) from global to shared memory, ``VECTOR`` float16, bfloat16 or float32 elements per
-    instruction; the block synchronizes; for each 16 terms (8 in TF32) each warp loads its
+    columns`` rows) from global to shared memory, ``copy_vector`` float16, bfloat16 or float32 elements
+    (16 bytes) per instruction; the block synchronizes; for each 16 terms (8 in TF32) each warp loads its
     ``fragments_i + fragments_j`` fragments from shared memory (512 bytes each) and issues its
     ``mma_sync``s; the block synchronizes again. At the end each warp stores its accumulators to
     shared memory (1 KB per fragment), the block synchronizes, and the tile is read back and
@@ -474,7 +474,7 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     fragment_sectors = FRAGMENT * tile.fragment_k * element // SECTOR_BYTES
     accumulator_sectors = FRAGMENT * FRAGMENT * 4 // SECTOR_BYTES
     stores = rows * cols // (WARP * TENSOR_CORE_VECTOR)
-    accesses = (*_slice_copies(reduction, (rows, cols), chunks * tile.depth, element),
+    accesses = (*_slice_copies(reduction, (rows, cols), chunks * tile.depth, element, tile.copy_vector),
                 MemoryAccess("fragments", "load", "shared", warps * steps * (tile.fragments_i + tile.fragments_j),
                              fragment_sectors),
                 MemoryAccess("accumulators", "store", "shared", warps * tile.fragments_i * tile.fragments_j,
@@ -496,19 +496,20 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
         block_barrier_before=stage.barrier is None and stage.block_barrier is not None)
 
 
-def _slice_copies(reduction: te.Tensor, extents: tuple[int, int], terms: int, element: int) -> list[MemoryAccess]:
+def _slice_copies(reduction: te.Tensor, extents: tuple[int, int], terms: int, element: int,
+                  vector: int) -> list[MemoryAccess]:
     """A tensor-core tile's copies of its operands' slices (``extents``: rows, columns; ``terms``
-    per row, all chunks), global to shared: ``VECTOR`` elements per instruction, or one where the
+    per row, all chunks), global to shared: ``vector`` elements per instruction, or one where the
     operand is gathered (``codegen.schedule.gathered_factors``: a padded convolution's input),
     whose warp reads 32 consecutive terms of a row, in the sectors the lanes' indices touch."""
     accesses = []
     for name, extent, gathered in zip(("first operand", "second operand"), extents, gathered_factors(reduction)):
-        vector = 1 if gathered else TENSOR_CORE_VECTOR
-        copies = extent * terms // (WARP * vector)
-        sectors = _gathered_sectors(reduction) if gathered else WARP * vector * element // SECTOR_BYTES
+        width = 1 if gathered else vector
+        copies = extent * terms // (WARP * width)
+        sectors = _gathered_sectors(reduction) if gathered else WARP * width * element // SECTOR_BYTES
         accesses += [MemoryAccess(f"{name} slices", "load", "global", copies, sectors),
                      MemoryAccess(f"{name} slices", "store", "shared", copies,
-                                  max(1, WARP * vector * element // SECTOR_BYTES))]
+                                  max(1, WARP * width * element // SECTOR_BYTES))]
     return accesses
 
 

@@ -9,7 +9,8 @@ fragments a ``TensorCoreTile`` says, for ``threads / 32`` warps:
 
 - both operands are staged through shared memory one chunk of ``k_fragments`` x 16 terms (x 8 in
   TF32) at a time (rows padded by 8 elements, as dlight pads them, so that a fragment's rows fall on
-  different banks), copied with 4-element vector loads by all the block's threads;
+  different banks), copied 16 bytes at a time (``COPY_BYTES``: 8 float16 or bfloat16 elements, 4
+  float32) by all the block's threads;
 - each warp loads 16 x 16 fragments of both slices and accumulates ``fragments_i x fragments_j``
   16 x 16 x 16 products with ``mma_sync`` (TVM's wmma intrinsics, ``tensor_intrin.cuda``);
 - the accumulators go through shared memory (a tile of float32, rows not padded: dlight's
@@ -40,8 +41,9 @@ float32 ones, and printed as CUDA's ``precision::tf32`` (``codegen.tf32``).
 A GEMM whose sizes are not whole tiles is padded as dlight pads it (``pad_einsum``): the rows,
 columns and terms past its edges read as zeros and are not stored (Swin's 196 tokens, ResNeXt's
 14 x 14 and 7 x 7 feature maps). TVM's CUDA lowering puts each padded vector load under a branch,
-which reads nothing past the operand; the columns and terms must be whole vectors of ``VECTOR``, so
-that the branch's condition holds for every element of the vector or for none.
+which reads nothing past the operand; the columns and terms must be whole copy vectors
+(``TensorCoreTile.copy_vector``, else ``VECTOR``), so that the branch's condition holds for every
+element of the vector or for none.
 
 Left out: dlight's pipeline of the fragments' loads within a chunk (a third stage, two copies of
 every fragment: registers the 128 x 128 tiles do not have).
@@ -52,10 +54,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 from dataclasses import dataclass
 
 import islpy as isl
-from tvm import s_tir, tirx
+import tvm
+import tvm_ffi
+from tvm import s_tir, sym, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline_producers, get_index_map,
@@ -69,7 +74,10 @@ FRAGMENT = 16  # the rows and columns of every wmma fragment this schedule uses
 # operands multiplied in TF32 (``precision="tf32"``: the tensor cores read 10 bits of significand)
 FRAGMENT_K = {"float16": 16, "bfloat16": 16, "float32": 8}
 WARP = 32
-VECTOR = 4  # elements per global -> shared copy, and per accumulator store
+VECTOR = 4  # elements per accumulator store, and per operand copy where the GEMM's sizes refuse COPY_BYTES
+# bytes per operand copy from global to shared memory: a cp.async moves 4, 8 or 16 (PTX ISA), 16 a
+# warp's 512 bytes in one instruction (cp.async.cg), where 8-byte copies of 16-bit operands took two
+COPY_BYTES = 16
 SLICE_PAD = 8  # elements added to each operand slice's rows (dlight's storage_align)
 
 
@@ -89,6 +97,9 @@ class TensorCoreTile:
     # memory, a ring in which ``async_stages - 1`` chunks are in flight while the warps compute on
     # one. 0: pipelined through registers, one chunk ahead (``pipeline_chunks``).
     async_stages: int = 0
+    # elements per operand copy (``COPY_BYTES`` of the operands' dtype; ``VECTOR`` for a GEMM whose
+    # columns or terms are not whole vectors of that)
+    copy_vector: int = COPY_BYTES // 2
 
     @property
     def rows(self) -> int:
@@ -139,8 +150,8 @@ TF32_ASYNC_STAGES = 2
 # needed 255 registers and spilled 24 B (ptxas, sm_90); in a ring of two, 174 and none. The H100
 # model estimates both the same (the tiles are bound by their fragment loads).
 BF16_ASYNC_STAGES = 2
-TF32_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"], async_stages=TF32_ASYNC_STAGES)
-                   for tile in TILES)
+TF32_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"], async_stages=TF32_ASYNC_STAGES,
+                                       copy_vector=COPY_BYTES // 4) for tile in TILES)
 # Tiles one or two fragments wide, for a GEMM of at most ``NARROW_COLUMNS`` columns (a grouped
 # convolution's group: paper ResNeXt's 16 or 32 output channels), which the tiles above would
 # leave three quarters empty, and for a wider GEMM that no tile above fills to half (paper
@@ -153,7 +164,8 @@ TF32_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"], a
 NARROW_COLUMNS = 32
 NARROW_TILES = (TensorCoreTile(8, 1, 1, 1, k_fragments=3, pipelined=False),
                 TensorCoreTile(4, 2, 1, 1, k_fragments=3, pipelined=False))
-TF32_NARROW_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"]) for tile in NARROW_TILES)
+TF32_NARROW_TILES = tuple(dataclasses.replace(tile, fragment_k=FRAGMENT_K["float32"], copy_vector=COPY_BYTES // 4)
+                          for tile in NARROW_TILES)
 
 
 def gemm_extents(sch: s_tir.Schedule, block) -> tuple[int, int, int, int] | None:
@@ -247,17 +259,20 @@ def pipeline_chunks(sch: s_tir.Schedule, chunk, copies) -> None:
     sch.annotate(chunk, "software_pipeline_stage", [0, 0, 0, 0, 1])
 
 
-def _copies_whole_vectors(sch: s_tir.Schedule, copy) -> bool:
-    """Whether ``copy`` (an operand's copy into its slice, its producers inlined) reads ``VECTOR``
-    consecutive elements of the operand for each vector it stores, what a cp.async moves: isl finds
-    no element of a vector (``VECTOR`` consecutive values of the copy's last iterator, from a
-    multiple of ``VECTOR``) whose successor in the vector is not the next element in memory. TVM's
+def _copies_whole_vectors(sch: s_tir.Schedule, copy, width: int) -> bool:
+    """Whether ``copy`` (an operand's copy into its slice, its producers inlined) reads ``width``
+    consecutive elements of the operand for each vector it stores, from an element a multiple of
+    ``width`` into the operand, what a cp.async moves (its source aligned on its bytes, PTX ISA):
+    isl finds no element of a vector (``width`` consecutive values of the copy's last iterator, from
+    a multiple of ``width``) whose successor in the vector is not the next element in memory, and no
+    vector whose first element is not on a whole vector of the operand (which starts on
+    ``codegen.stitch.ARENA_ALIGN`` elements in the arena, a weight on its own allocation). TVM's
     ``InjectPTXAsyncCopy`` makes a cp.async of any vectorized copy into shared memory, also of a
     vector gathered from strided elements (a batched product's second operand read along its
     rows, BERT's P.V), which then copies the wrong elements: such a copy stays in the register
     pipeline. A head's slice of merged heads (``k % 64``) is read in whole vectors."""
     block = sch.get(copy)
-    if not isinstance(block.body, tirx.BufferStore) or constant(sch.get(sch.get_loops(copy)[-1]).extent) != VECTOR:
+    if not isinstance(block.body, tirx.BufferStore) or constant(sch.get(sch.get_loops(copy)[-1]).extent) != width:
         return False
     loads = [e for e in sub_expressions(block.body.value) if isinstance(e, TensorLoad)]
     if not loads:
@@ -274,11 +289,61 @@ def _copies_whole_vectors(sch: s_tir.Schedule, copy) -> bool:
             offsets = [writer.index(flat).text for writer in (here, then)]
         except NotAffine:
             return False
-        apart = isl.Set(f"{{ [{', '.join(names)}] : {' and '.join(domain)} and ({last} mod {VECTOR}) < {VECTOR - 1} "
-                        f"and {offsets[1]} != {offsets[0]} + 1 }}")
-        if not apart.is_empty():
+        points = f"[{', '.join(names)}] : {' and '.join(domain)}"
+        apart = isl.Set(f"{{ {points} and ({last} mod {width}) < {width - 1} and {offsets[1]} != {offsets[0]} + 1 }}")
+        misaligned = isl.Set(f"{{ {points} and ({last} mod {width}) = 0 and ({offsets[0]}) mod {width} != 0 }}")
+        if not (apart.is_empty() and misaligned.is_empty()):
             return False
     return True
+
+
+def _loads_as_vectors(sch: s_tir.Schedule, copy, width: int) -> bool:
+    """Whether TVM's CUDA code generator loads each vector of ``copy`` (its last loop vectorized by
+    ``width``) with one instruction: each load's flat index, in the copy's loops, run through TVM's
+    ``VectorizeLoop`` and ``StmtSimplify`` as the kernel's lowering runs them, is a ramp of stride 1
+    whose start TVM's modular analysis proves a multiple of ``width`` (``CodeGenC``'s condition).
+    Else it loads lane by lane, and prints eight lanes as a ``make_uint4`` or ``make_longlong4`` of
+    eight values, which nvcc refuses (a grouped convolution's weights, ``[O, C, 3, 3]`` read at
+    ``k // 9``, ``k % 9 // 3`` and ``k % 3``: consecutive, not a ramp to the vectorizer)."""
+    realize = _realize_of(sch, copy)
+    if realize is None:
+        return False
+    values = {iv.var: value for iv, value in zip(realize.block.iter_vars, realize.iter_values)}
+    loads = [e for e in sub_expressions(realize.block.body.value) if isinstance(e, TensorLoad)]
+    loops = [sch.get(loop) for loop in sch.get_loops(copy)]
+    for load in loads:
+        flat = tvm_ffi.structural_map(row_major(list(load.indices), load.source.shape),
+                                      [(tirx.Var, lambda v: values.get(v, v))])
+        dtype = str(load.source.dtype)
+        source = tirx.decl_buffer((math.prod(int(d) for d in load.source.shape),), dtype, "source")
+        target = tirx.decl_buffer((width,), dtype, "target")
+        body = tirx.BufferStore(target, tirx.BufferLoad(source, [flat]), [loops[-1].loop_var])
+        for loop, kind in zip(reversed(loops), [tirx.ForKind.VECTORIZED] + [tirx.ForKind.SERIAL] * (len(loops) - 1)):
+            body = tirx.For(loop.loop_var, loop.min, loop.extent, kind, body)
+        lowered = tvm.transform.Sequential([tirx.transform.VectorizeLoop(), tirx.transform.StmtSimplify()])(
+            tvm.IRModule({"main": tirx.PrimFunc([source, target], body)}))["main"]
+        indices = []
+        tvm_ffi.structural_walk(lowered.body, lambda node: indices.extend(node.indices)
+                                if isinstance(node, TensorLoad) else None)
+        if not indices or not all(isinstance(i, tirx.Ramp) and constant(i.stride) == 1 for i in indices):
+            return False
+        starts = [sym.Analyzer().modular_set(i.base) for i in indices]
+        if not all(start.coeff % width == 0 and start.base % width == 0 for start in starts):
+            return False
+    return True
+
+
+def _realize_of(sch: s_tir.Schedule, block_rv):
+    """The ``SBlockRealize`` of ``block_rv`` in the schedule's function (its iterators' values)."""
+    block = sch.get(block_rv)
+    found = []
+
+    def visit(node):
+        if isinstance(node, s_tir.SBlockRealize) and node.block.same_as(block):
+            found.append(node)
+
+    tvm_ffi.structural_walk(sch.mod["main"].body, visit)
+    return found[0] if found else None
 
 
 def _steps_by_one(sch: s_tir.Schedule, copy, dim: int) -> bool:
@@ -393,8 +458,11 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         return None  # a narrow tile is for a GEMM that no wide tile fills to ``wide_min_use``
     if not _fills(rows, columns, tile, min_use):
         return None
-    if columns % VECTOR or depth % VECTOR:
-        return None  # a padded vector would be read or stored in part: the condition must hold for all of it
+    # a padded vector would be read or stored in part: the condition must hold for all of it
+    if columns % tile.copy_vector or depth % tile.copy_vector:
+        if columns % VECTOR or depth % VECTOR:
+            return None
+        tile = dataclasses.replace(tile, copy_vector=VECTOR)
     # dlight's padding: rows, columns and terms past the GEMM's read as zeros (a branch around each
     # vector load, whose condition is the same for the vector's elements) and not stored
     sch.pad_einsum(main, [1, tile.rows, tile.columns, tile.depth])
@@ -422,7 +490,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         # an operand computed under a condition (a padding) is copied an element at a time: a
         # vector select loads every element of the vector, those the condition excludes too
         # (TVM vectorizes one whose indices are a ramp: a padded input read along its rows)
-        width = 1 if conditional[index] else VECTOR
+        width = 1 if conditional[index] else tile.copy_vector
         _, copy_warp, lane, vector = sch.split(fused, [None, tile.warps, WARP, width])
         sch.bind(lane, "threadIdx.x")
         sch.bind(copy_warp, "threadIdx.y")
@@ -434,7 +502,13 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     a_shared, b_shared = stage_in_shared(0), stage_in_shared(1)
     auto_inline_producers(sch, a_shared)
     auto_inline_producers(sch, b_shared)
-    if tile.copies_async and not all(_copies_whole_vectors(sch, copy) for copy in (a_shared, b_shared)):
+    copies = [copy for copy, gathered in zip((a_shared, b_shared), conditional) if not gathered]
+    if tile.copy_vector > VECTOR and not all(_loads_as_vectors(sch, copy, tile.copy_vector) for copy in copies):
+        # TVM's CUDA code generator loads a vector it cannot load as one lane by lane, and prints
+        # eight 16-bit lanes as code nvcc refuses: ``VECTOR`` elements then
+        return tensor_core_schedule(func, dataclasses.replace(tile, copy_vector=VECTOR), threads, min_use, wide_min_use)
+    if tile.copies_async and not (copies == [a_shared, b_shared] and
+                                  all(_copies_whole_vectors(sch, copy, tile.copy_vector) for copy in copies)):
         tile = dataclasses.replace(tile, async_stages=0)
     if tile.copies_async:
         pipeline_chunks_async(sch, k_chunk, (a_shared, b_shared), tile.async_stages)

@@ -7,6 +7,7 @@ latency model's count of the gathered copies."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import shutil
 import sys
@@ -95,7 +96,9 @@ def test_the_padded_input_is_gathered_by_a_te_of_the_axes_it_varies_with():
     assert [t.op.name for t in gathered.op.input_tensors] == ["conv_gathered0", "w"]
     func = te.create_prim_func([x, w, gathered])
     stages = tensor_core_stages(func)
-    assert [s.tensor_core_tile for _, s in stages] == list(NARROW_TILES)  # 16 columns: the wide tiles are idle
+    # 16 columns: the wide tiles are idle; the weights, read at k // 9, k % 9 // 3 and k % 3, copied
+    # four elements at a time (``test_the_latency_model_counts_the_gathered_slice_an_element_per_copy``)
+    assert [s.tensor_core_tile for _, s in stages] == [dataclasses.replace(t, copy_vector=4) for t in NARROW_TILES]
     assert [s.n_tiles for _, s in stages] == [4 * 2, 4 * 4]  # each group's 196 rows in tiles of 128, of 64
     unpadded = _reduction(lower_op("conv2d", [x, w], {"groups": 4, "stride": 1, "padding": 0, "dilation": 1,
                                                       "split_k": 1})[0])
@@ -107,7 +110,8 @@ def test_eight_channels_per_group_take_a_narrow_tile_half_full_and_four_none():
     half its 16 columns, and it writes only those; 4 (with the rows' padding) fill less."""
     x, w, conv = _padded_group_conv(8)
     ((_, schedule),) = tensor_core_stages(te.create_prim_func([x, w, gathered_operands(conv)]))
-    assert schedule.tensor_core_tile == NARROW_TILES[0] and schedule.n_tiles == 4 * 2
+    assert schedule.tensor_core_tile == dataclasses.replace(NARROW_TILES[0], copy_vector=4)
+    assert schedule.n_tiles == 4 * 2
     assert isl.Map(schedule.tile_relation).range().is_equal(isl.Set(
         "{ [0, g, j, i, k] : 0 <= g < 4 and 0 <= j < 8 and 0 <= i < 14 and 0 <= k < 14 }"))
     x, w, conv = _padded_group_conv(4)
@@ -174,5 +178,9 @@ def test_the_latency_model_counts_the_gathered_slice_an_element_per_copy():
     chunks = -(-GROUP_CHANNELS * 9 // tile.depth)
     gathered, weights = copies["first operand slices", "load"], copies["second operand slices", "load"]
     assert gathered.per_tile == tile.rows * chunks * tile.depth // 32  # one element per lane
-    assert weights.per_tile == tile.columns * chunks * tile.depth // (32 * 4)  # four per lane
+    # four per lane: the weights, [O, C, 3, 3] read at k // 9, k % 9 // 3 and k % 3, are consecutive
+    # but not a ramp to TVM's vectorizer, which would print eight lanes as code nvcc refuses
+    (stage,) = [s for s in plan.staged.stages() if s.schedule.tensor_core_tile]
+    assert stage.schedule.tensor_core_tile.copy_vector == 4
+    assert weights.per_tile == tile.columns * chunks * tile.depth // (32 * 4)
     assert 1 < gathered.sectors < 32  # a warp's 32 terms of one row: runs of 3 along the window's rows

@@ -22,7 +22,7 @@ from tvm import te, tirx, topi
 import souffle
 from analysis.threads import WARP_COLLECTIVE
 from analysis.device import H100
-from codegen.latency import latency_estimate
+from codegen.latency import latency_estimate, stage_works
 from codegen.schedule import (MATMUL_MIN_USE, NARROW_MIN_USE, buffer_elements, matmul_stage, pool_offsets, pooled_shared,
                               tensor_core_stages)
 from codegen.tensor_core import ASYNC_STAGES, NARROW_TILES, TILES
@@ -302,6 +302,42 @@ def test_an_operand_gathered_from_strided_elements_is_not_copied_by_cp_async():
     for order in ("ascending", "descending"):
         (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
         np.testing.assert_allclose(output, expected, rtol=1e-2, atol=1e-2, err_msg=order)
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_16_bit_operands_are_copied_16_bytes_at_a_time():
+    """One cp.async.cg of 8 halves per lane, where 8-byte copies took two; the latency model counts
+    a copy per 8 elements."""
+    graph, _, _ = _relu_dense(128, 128, 320)
+    model = souffle.compile(graph, target="cuda", device="h100", opt_level=4, precision="fp16")
+    (stage,) = [s for s in model.kernel_plan.staged.stages() if s.schedule.tensor_core_tile]
+    tile = stage.schedule.tensor_core_tile
+    assert tile.copy_vector == 8 and tile.copies_async
+    assert 'cp.async.cg.shared.global [%0], [%1], %2;"\n    :: "r"(dst_addr), "l"(src_p), "n"(16)' in model.source
+    assert "cp.async.ca" not in model.source
+    (work,) = [w for w in stage_works(model.kernel_plan.staged, H100) if w.template == "tensor_core"]
+    copies = {(a.tensor, a.kind): a for a in work.accesses}
+    chunks = -(-320 // tile.depth)
+    assert copies["first operand slices", "load"].per_tile == tile.rows * chunks * tile.depth // (32 * 8)
+    assert copies["first operand slices", "load"].sectors == 32 * 16 // 32
+
+
+def _shifted_dense(shift: int):
+    """A dense whose first operand starts ``shift`` halves into each row of a wider tensor."""
+    m, n, k = 128, 128, 320
+    a, w = te.placeholder((m, k + shift), "float16", name="A"), te.placeholder((n, k), "float16", name="W")
+    shifted = te.compute((m, k), lambda i, j: a[i, j + shift], name="shifted")
+    product = topi.nn.dense(shifted, w, out_dtype="float32")
+    return te.create_prim_func([a, w, te.compute(product.shape, lambda i, j: product[i, j].astype("float16"), name="C")])
+
+
+def test_an_operand_copied_from_off_a_16_byte_boundary_is_copied_8_bytes_at_a_time():
+    """A vector load or cp.async must start on its bytes: rows read from 4 halves in (8 bytes) are
+    copied 4 at a time; from 2 halves in (4 bytes) no vector is aligned, and the copies go through
+    registers, which TVM's code generator then loads lane by lane."""
+    for shift, vector, async_copies in ((0, 8, True), (4, 4, True), (2, 4, False)):
+        tiles = [s.tensor_core_tile for _, s in tensor_core_stages(_shifted_dense(shift))]
+        assert tiles and all(t.copy_vector == vector and t.copies_async == async_copies for t in tiles), (shift, tiles)
 
 
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
