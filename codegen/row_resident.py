@@ -81,6 +81,13 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int) -> tuple[ti
         sch.set_scope(block, 0, "local")
         if gpu:
             sch.bind(block_lane, "threadIdx.x")
+            # a row's several results (a LayerNorm's two moments) unrolled by nvcc (``#pragma
+            # unroll``; unrolled in TIR, the lanes' reduction buffers would be allocated twice):
+            # indexed by a loop, nvcc put the array in local memory (paper BERT fp16's FFN2
+            # LayerNorm, from its PTX)
+            for loop in spatial:
+                sch.unroll(loop)
+                sch.annotate(loop, "pragma_unroll_explicit", False)
     caches = []
     for index in cached:
         cache = sch.cache_read(statistics[0], index, "local", consumer_blocks=[*statistics, output])

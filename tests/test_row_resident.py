@@ -152,3 +152,12 @@ def test_a_statistic_is_a_few_results_a_row():
     assert _row_statistic(te.placeholder((1, 384, 2), name="moments"), output)
     assert not _row_statistic(te.placeholder((4, 384, 768), name="parts"), output)
     assert not _row_statistic(te.placeholder((1, 384, 768), name="whole"), output)
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (5, 33)], ids=str)
+def test_a_layer_norm_s_two_moments_stay_in_registers(shape):
+    """The moments (two results a row) are computed in a loop nvcc unrolls (``#pragma unroll``):
+    indexed by a loop, nvcc put their array in local memory (a stack frame in ptxas' report)."""
+    model = souffle.compile(_graph("layer_norm", shape)[0], target="cuda", opt_level=4)
+    assert re.search(r"#pragma unroll\s+for \(int ax0 = 0; ax0 < 2; \+\+ax0\)", model.source), model.source
+    assert model.resources.stack_bytes == 0 and model.resources.spill_bytes == 0
