@@ -116,6 +116,15 @@ def test_without_a_gpu_the_source_works_and_running_says_why(compiled):
         model(**models.make_inputs("mmoe", "tiny"))
 
 
+def test_the_report_names_local_memory_only_where_a_kernel_has_some():
+    """ptxas' stack frame (an array nvcc could not keep in registers) is shown beside the spills
+    where a kernel has one; no paper or tiny kernel does now."""
+    model = souffle.compile(models.build("mmoe", "tiny"), target="cuda")
+    assert model.report().extra["cuda"].endswith("0 B spilled")
+    model.kernel_resources = {name: dataclasses.replace(r, stack_bytes=112) for name, r in model.kernel_resources.items()}
+    assert model.report().extra["cuda"].endswith("0 B spilled, 112 B of local memory")
+
+
 def test_artifact_round_trip_rebuilds_the_weights(compiled, tmp_path):
     model = compiled("lstm", "tiny")
     artifact = model.artifact(config="tiny", seed=0)
