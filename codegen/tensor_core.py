@@ -385,6 +385,24 @@ def selects(block: s_tir.SBlock) -> bool:
     return "if_then_else(" in text or "Select(" in text
 
 
+def _operands_swapped(func: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
+    """``func`` with its block ``name`` (``C += A * B``) reading ``B`` first (``C += B * A``): the
+    first operand is dlight's ``A``, whose axes the GEMM's rows are, so the GEMM is taken as its
+    transpose, ``C^T = B A^T``. The same products (a multiplication commutes exactly)."""
+
+    def swap(block):
+        if block.name_hint != name:
+            return block
+        update = block.body
+        product = update.value.b  # C[...] + A * B
+        value = tirx.Add(update.value.a, tirx.Mul(product.b, product.a))
+        return s_tir.SBlock(block.iter_vars, list(reversed(block.reads)), block.writes, block.name_hint,
+                            tirx.BufferStore(update.buffer, value, update.indices), block.init, block.alloc_buffers,
+                            block.match_buffers, block.annotations)
+
+    return tvm_ffi.structural_map(func, [(s_tir.SBlock, swap)])
+
+
 def _conditional_reads(sch: s_tir.Schedule, block) -> list[bool]:
     """For each buffer ``block`` reads, whether the block that computes it ``selects`` its values
     (``codegen.schedule.gathered_operands``: a padded convolution's input)."""
@@ -403,8 +421,8 @@ def _fills(rows: int, columns: int, tile: TensorCoreTile, share: float) -> bool:
     return rows * columns >= share * _whole(rows, tile.rows) * _whole(columns, tile.columns)
 
 
-def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int,
-                         min_use: float = 0.0, wide_min_use: float = 0.0) -> tuple[s_tir.Schedule, TensorCoreTile] | None:
+def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int, min_use: float = 0.0,
+                         wide_min_use: float = 0.0, swapped: bool = False) -> tuple[s_tir.Schedule, TensorCoreTile] | None:
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
     without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
     ``threads`` threads, padded to whole tiles, or None where it does not fit: other dtypes, not
@@ -447,6 +465,16 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     # the second operand's slice in its own order where its rows run along the GEMM's columns
     # (a batched product's values, P.V's V): copied as [terms, columns], each vector consecutive
     # elements, where as [columns, terms] each vector gathered elements a row apart
+    if not swapped and tile.fragment_k == FRAGMENT and not any(conditional) and \
+            _steps_by_one(sch, reindex_a, 1) and not _steps_by_one(sch, reindex_a, 2):
+        # the first operand's rows run along the GEMM's rows (a 1 x 1 convolution's input in NCHW,
+        # X[c, hw] read as [hw, c]): each copied vector would gather elements a row apart. As the
+        # transposed GEMM it is the second operand, kept in its own order like P.V's V below, and
+        # the output tile's rows are the output's (an NCHW output's channels), stored along hw
+        turned = tensor_core_schedule(_operands_swapped(func, stmt.name_hint), tile, threads, min_use, wide_min_use,
+                                      swapped=True)
+        if turned is not None:
+            return turned
     trans_b = not (tile.fragment_k == FRAGMENT and _steps_by_one(sch, reindex_b, 1) and not _steps_by_one(sch, reindex_b, 2))
     if not trans_b:
         sch.transform_layout(reindex_b, ("write", 0), lambda s, j, k: (s, k, j))
@@ -506,7 +534,8 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     if tile.copy_vector > VECTOR and not all(_loads_as_vectors(sch, copy, tile.copy_vector) for copy in copies):
         # TVM's CUDA code generator loads a vector it cannot load as one lane by lane, and prints
         # eight 16-bit lanes as code nvcc refuses: ``VECTOR`` elements then
-        return tensor_core_schedule(func, dataclasses.replace(tile, copy_vector=VECTOR), threads, min_use, wide_min_use)
+        return tensor_core_schedule(func, dataclasses.replace(tile, copy_vector=VECTOR), threads, min_use, wide_min_use,
+                                    swapped)
     if tile.copies_async and not (copies == [a_shared, b_shared] and
                                   all(_copies_whole_vectors(sch, copy, tile.copy_vector) for copy in copies)):
         tile = dataclasses.replace(tile, async_stages=0)

@@ -16,6 +16,7 @@ import islpy as isl
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 import tvm
 from tvm import te, tirx, topi
 
@@ -338,6 +339,38 @@ def test_an_operand_copied_from_off_a_16_byte_boundary_is_copied_8_bytes_at_a_ti
     for shift, vector, async_copies in ((0, 8, True), (4, 4, True), (2, 4, False)):
         tiles = [s.tensor_core_tile for _, s in tensor_core_stages(_shifted_dense(shift))]
         assert tiles and all(t.copy_vector == vector and t.copies_async == async_copies for t in tiles), (shift, tiles)
+
+
+def _pointwise_conv(channels: int, outputs: int, size: int):
+    """A 1 x 1 convolution in NCHW and its ReLU: a GEMM whose data operand, X[c, hw], has its rows
+    along the GEMM's rows as dlight orders them ([hw, c])."""
+    rng = np.random.default_rng(0)
+    builder = GraphBuilder("pointwise")
+    x = builder.input("x", (1, channels, size, size))
+    w = builder.param("w", (rng.standard_normal((outputs, channels, 1, 1)) * 0.1).astype(np.float32))
+    graph = builder.build(builder.op("relu", builder.op("conv2d", x, w, stride=1, padding=0, groups=1)))
+    inputs = {"x": rng.standard_normal((1, channels, size, size)).astype(np.float32)}
+    x16, w16 = (torch.tensor(a).half().float() for a in (inputs["x"], graph.weights["w"]))
+    return graph, inputs, torch.relu(torch.nn.functional.conv2d(x16, w16)).half().float().numpy()
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_a_pointwise_convolution_is_the_transposed_gemm_with_its_copies_async(order):
+    """Taken as dlight orders it, each copied vector of the input gathered channels 196 halves
+    apart, through registers; as the transposed GEMM (weights first, the input kept [channels,
+    hw] like P.V's V) its tiles' rows are output channels and both operands are copied by cp.async,
+    and the output matches PyTorch on emulated threads."""
+    graph, inputs, expected = _pointwise_conv(64, 48, 14)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+    (stage,) = [s for s in model.kernel_plan.staged.stages() if s.schedule.tensor_core_tile]
+    assert stage.schedule.tensor_core_tile.copies_async
+    # a tile holds all 48 output channels at consecutive positions (the transposed GEMM's rows and
+    # columns); dlight's order would give it consecutive channels at each position
+    first = isl.Map(stage.schedule.tile_relation).intersect_domain(isl.Set("{ [0] }")).range()
+    assert first.is_equal(isl.Set("{ [0, c, h, w] : 0 <= c < 48 and 0 <= h < 14 and 0 <= w < 14 and 14h + w < 128 }"))
+    (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
+    np.testing.assert_allclose(output.reshape(expected.shape), expected, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
