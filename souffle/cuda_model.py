@@ -145,12 +145,12 @@ class CudaModel(CompiledModel):
         functions = "1 __global__ function" if self.kernel_count == 1 else \
             f"{self.kernel_count} __global__ functions, the largest"
         dynamic = max(launch.dynamic_shared for launch in self.kernel_plan.kernel_launches())
-        # local memory (ptxas' stack frame: an array nvcc could not keep in registers) only where
-        # there is some, a cost to look into like a spill
-        stack = max(k.stack_bytes for k in self.kernel_resources.values())
+        # ptxas' stack frame (local memory: an array nvcc could not keep in registers, and the
+        # spills) only where it holds more than the spills, a cost to look into like a spill
+        stack = max(k.stack_bytes - k.spill_bytes for k in self.kernel_resources.values())
         report.extra["cuda"] = (f"{functions}, {r.arch}: {r.registers} registers/thread, "
                                 f"{r.shared_bytes} B static + {dynamic} B dynamic shared memory, "
-                                f"{r.spill_bytes} B spilled" + (f", {stack} B of local memory" if stack else ""))
+                                f"{r.spill_bytes} B spilled" + (f", {stack} B more of local memory" if stack > 0 else ""))
         report.extra.update({f"ptxas {k + 1}": note for k, note in enumerate(self.passes.notes("ptxas"))})
         report.extra.update({f"database {k + 1}": note for k, note in enumerate(self.passes.notes("database"))})
         report.extra["co-residency"] = str(self.occupancy)

@@ -122,7 +122,11 @@ def test_the_report_names_local_memory_only_where_a_kernel_has_some():
     model = souffle.compile(models.build("mmoe", "tiny"), target="cuda")
     assert model.report().extra["cuda"].endswith("0 B spilled")
     model.kernel_resources = {name: dataclasses.replace(r, stack_bytes=112) for name, r in model.kernel_resources.items()}
-    assert model.report().extra["cuda"].endswith("0 B spilled, 112 B of local memory")
+    assert model.report().extra["cuda"].endswith("0 B spilled, 112 B more of local memory")
+    model.kernel_resources = {name: dataclasses.replace(r, stack_bytes=8, spill_bytes=8)
+                              for name, r in model.kernel_resources.items()}
+    model.resources = dataclasses.replace(model.resources, stack_bytes=8, spill_bytes=8)
+    assert model.report().extra["cuda"].endswith("8 B spilled")  # the stack frame holds the spills alone
 
 
 def test_artifact_round_trip_rebuilds_the_weights(compiled, tmp_path):
