@@ -84,6 +84,21 @@ def _register_pipeline() -> list:
             for name in ("TILES", "TF32_TILES")]
 
 
+def _eight_byte_copies() -> list:
+    import dataclasses
+
+    from codegen import schedule
+
+    return [mock.patch.object(schedule, name, tuple(dataclasses.replace(t, copy_vector=4) for t in getattr(schedule, name)))
+            for name in ("TILES", "NARROW_TILES")]
+
+
+def _dlight_order() -> list:
+    from codegen import tensor_core
+
+    return [mock.patch.object(tensor_core, "TRANSPOSE_ROW_OPERANDS", False)]
+
+
 def _unpipelined_gemms() -> list:
     import dataclasses
 
@@ -151,6 +166,17 @@ VARIANTS = {
         "tensor-core work is about 0.5 us), not by a ring of three cp.async copies with two chunks in "
         "flight: how much of the wait per chunk do the asynchronous copies hide?",
         _register_pipeline),
+    "8-byte-copies": Variant(
+        "16-bit tensor-core tiles copying their slices 4 elements (8 bytes, cp.async.ca) at a time, as the "
+        "H100's third run did, not 8 (16 bytes, cp.async.cg, L1 bypassed): the same bytes in twice the "
+        "instructions; what do the wider copies gain?",
+        _eight_byte_copies),
+    "dlight-order": Variant(
+        "GEMMs taken in dlight's order even where their first operand's rows run along the GEMM's rows (1 x 1 "
+        "convolutions in NCHW): the input copied through registers, each vector four channels a feature map "
+        "apart, the output stored along channels, not the transposed GEMM with both operands copied by "
+        "cp.async; what does the transposition gain on ResNeXt and EfficientNet?",
+        _dlight_order),
     "no-pipeline": Variant(
         "GEMM stages (tensor-core tiles and dlight's SIMT matmul) without the software pipeline: each chunk's "
         "slices loaded from global memory, then computed on, one after the other, as in the H100's second run, "

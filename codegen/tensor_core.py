@@ -79,6 +79,9 @@ VECTOR = 4  # elements per accumulator store, and per operand copy where the GEM
 # warp's 512 bytes in one instruction (cp.async.cg), where 8-byte copies of 16-bit operands took two
 COPY_BYTES = 16
 SLICE_PAD = 8  # elements added to each operand slice's rows (dlight's storage_align)
+# Whether a GEMM whose first operand's rows run along its rows is scheduled as its transpose
+# (``tensor_core_schedule``); off in benchmarks/gpu_variants.py's ``dlight-order``
+TRANSPOSE_ROW_OPERANDS = True
 
 
 @dataclass(frozen=True)
@@ -465,7 +468,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     # the second operand's slice in its own order where its rows run along the GEMM's columns
     # (a batched product's values, P.V's V): copied as [terms, columns], each vector consecutive
     # elements, where as [columns, terms] each vector gathered elements a row apart
-    if not swapped and tile.fragment_k == FRAGMENT and not any(conditional) and \
+    if TRANSPOSE_ROW_OPERANDS and not swapped and tile.fragment_k == FRAGMENT and not any(conditional) and \
             _steps_by_one(sch, reindex_a, 1) and not _steps_by_one(sch, reindex_a, 2):
         # the first operand's rows run along the GEMM's rows (a 1 x 1 convolution's input in NCHW,
         # X[c, hw] read as [hw, c]): each copied vector would gather elements a row apart. As the

@@ -113,6 +113,37 @@ def test_no_pipeline_gives_the_gemm_stages_no_software_pipeline():
     assert _gemm_stage("fp16").tensor_core_tile.pipelined
 
 
+def test_8_byte_copies_copy_the_16_bit_slices_4_elements_at_a_time():
+    base, narrower = _gemm_stage("fp16"), _gemm_stage("fp16", "8-byte-copies")
+    assert (base.tensor_core_tile.copy_vector, narrower.tensor_core_tile.copy_vector) == (8, 4)
+    assert base.box == narrower.box and narrower.tensor_core_tile.copies_async
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_dlight_order_keeps_a_pointwise_convolution_as_dlight_orders_it():
+    """As the transposed GEMM both operands are copied by cp.async; in dlight's order the input,
+    each vector four channels apart, goes through registers."""
+    import numpy as np
+
+    from souffle.graph import GraphBuilder
+
+    b = GraphBuilder("pointwise")
+    x = b.input("x", (1, 64, 14, 14))
+    b.param("w", np.zeros((48, 64, 1, 1), np.float32))
+    graph = b.build(b.op("conv2d", x, "w", stride=1, padding=0, groups=1))
+
+    def tile(variant=None):
+        with gpu_variants.applied(variant) if variant else contextlib.nullcontext():
+            run = run_passes(graph, "cuda", stop="plan_arena", opt_level=4, precision="fp16")
+        return [s.schedule.tensor_core_tile for s in run.ir.stages() if s.schedule.template == "tensor_core"]
+
+    assert [t.copies_async for t in tile()] == [True]
+    assert [t.copies_async for t in tile("dlight-order")] == [False]
+    from codegen import tensor_core
+
+    assert tensor_core.TRANSPOSE_ROW_OPERANDS
+
+
 def test_register_pipeline_stages_the_next_chunk_in_registers_in_one_copy_of_the_slices():
     base, registers = _gemm_stage("fp16"), _gemm_stage("fp16", "register-pipeline")
     assert registers.tensor_core_tile.pipelined and not registers.tensor_core_tile.copies_async
