@@ -1042,7 +1042,7 @@ class Walker:
         index, variables, domain = found if found is not None else (None, ctx.variables, ctx.domain)
         lanes = tvm.DataType(str(indices[0].ty.dtype)).lanes
         align = width if width is not None else \
-            lanes * (buffer.dtype.bits // 8) if _one_instruction(indices[0], lanes, write) else 0
+            lanes * (buffer.dtype.bits // 8) if one_vector_instruction(indices[0], lanes, write) else 0
         if width is None:
             width = memory.elem_bytes if lanes == 1 else buffer.dtype.bits // 8
         access = Access(stmt, buffer.name, memory, write, index, width, variables, domain, ctx.path, ctx.block,
@@ -1087,7 +1087,7 @@ class Walker:
                 raise NonAffine(f"a C division of {x.render()}, which may be negative")
 
 
-def _one_instruction(index, lanes: int, write: bool) -> bool:
+def one_vector_instruction(index, lanes: int, write: bool) -> bool:
     """Whether TVM's CUDA code generator prints an access at ``index`` (``lanes`` elements) as one
     instruction of all its lanes (``*(float4*)``), whose address must then be on its bytes: a store
     of a Ramp of stride 1 always, a load only where the Ramp's start is a multiple of its lanes by

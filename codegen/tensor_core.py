@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import islpy as isl
 import tvm
 import tvm_ffi
-from tvm import s_tir, sym, tirx
+from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline_producers, get_index_map,
@@ -68,6 +68,7 @@ from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline
 
 from analysis.affine import row_major
 from analysis.dependence import IslWriter, NotAffine, constant, sub_expressions
+from analysis.threads import one_vector_instruction
 
 FRAGMENT = 16  # the rows and columns of every wmma fragment this schedule uses
 # wmma's reduction depth per operand dtype: m16n16k16 for float16 and bfloat16, m16n16k8 for float32
@@ -303,8 +304,9 @@ def _copies_whole_vectors(sch: s_tir.Schedule, copy, width: int) -> bool:
 def _loads_as_vectors(sch: s_tir.Schedule, copy, width: int) -> bool:
     """Whether TVM's CUDA code generator loads each vector of ``copy`` (its last loop vectorized by
     ``width``) with one instruction: each load's flat index, in the copy's loops, run through TVM's
-    ``VectorizeLoop`` and ``StmtSimplify`` as the kernel's lowering runs them, is a ramp of stride 1
-    whose start TVM's modular analysis proves a multiple of ``width`` (``CodeGenC``'s condition).
+    ``VectorizeLoop`` and ``StmtSimplify`` as the kernel's lowering runs them, is a load CodeGenC
+    prints as one instruction (``analysis.threads.one_vector_instruction``, which the validator
+    checks the alignment of).
     Else it loads lane by lane, and prints eight lanes as a ``make_uint4`` or ``make_longlong4`` of
     eight values, which nvcc refuses (a grouped convolution's weights, ``[O, C, 3, 3]`` read at
     ``k // 9``, ``k % 9 // 3`` and ``k % 3``: consecutive, not a ramp to the vectorizer)."""
@@ -328,10 +330,7 @@ def _loads_as_vectors(sch: s_tir.Schedule, copy, width: int) -> bool:
         indices = []
         tvm_ffi.structural_walk(lowered.body, lambda node: indices.extend(node.indices)
                                 if isinstance(node, TensorLoad) else None)
-        if not indices or not all(isinstance(i, tirx.Ramp) and constant(i.stride) == 1 for i in indices):
-            return False
-        starts = [sym.Analyzer().modular_set(i.base) for i in indices]
-        if not all(start.coeff % width == 0 and start.base % width == 0 for start in starts):
+        if not indices or not all(one_vector_instruction(i, width, write=False) for i in indices):
             return False
     return True
 
@@ -465,9 +464,6 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     sch.transform_layout(reindex_b, ("write", 0), b_map)
     sch.transform_layout(reindex_c, ("read", 0), c_map)
     sch.transform_block_layout(main, block_map)
-    # the second operand's slice in its own order where its rows run along the GEMM's columns
-    # (a batched product's values, P.V's V): copied as [terms, columns], each vector consecutive
-    # elements, where as [columns, terms] each vector gathered elements a row apart
     if TRANSPOSE_ROW_OPERANDS and not swapped and tile.fragment_k == FRAGMENT and not any(conditional) and \
             _steps_by_one(sch, reindex_a, 1) and not _steps_by_one(sch, reindex_a, 2):
         # the first operand's rows run along the GEMM's rows (a 1 x 1 convolution's input in NCHW,
@@ -478,6 +474,9 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
                                       swapped=True)
         if turned is not None:
             return turned
+    # the second operand's slice in its own order where its rows run along the GEMM's columns
+    # (a batched product's values, P.V's V): copied as [terms, columns], each vector consecutive
+    # elements, where as [columns, terms] each vector gathered elements a row apart
     trans_b = not (tile.fragment_k == FRAGMENT and _steps_by_one(sch, reindex_b, 1) and not _steps_by_one(sch, reindex_b, 2))
     if not trans_b:
         sch.transform_layout(reindex_b, ("write", 0), lambda s, j, k: (s, k, j))

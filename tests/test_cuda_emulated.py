@@ -79,14 +79,19 @@ SHARED_SUM = _kernel("""
 
 # REVERSE through cp.async, in the inline PTX TVM's CUDA code generator prints for it
 # (codegen.tensor_core's asynchronous pipeline): copy, commit, wait, __syncthreads, read.
-CP_ASYNC_HELPERS = """
-__forceinline__ __device__ void ptx_cp_async_4(void* dst, int dst_off, void* src, int src_off) {
+def _cp_async(bytes_: int, cache: str) -> str:
+    """TVM's helper for a cp.async of ``bytes_`` bytes (``cache``: ca, or cg for 16), offsets in floats."""
+    return f"""
+__forceinline__ __device__ void ptx_cp_async_{bytes_}(void* dst, int dst_off, void* src, int src_off) {{
   uint8_t* dst_p = (uint8_t*)dst + dst_off * 4;
   uint8_t* src_p = (uint8_t*)src + src_off * 4;
   unsigned int dst_addr = __cvta_generic_to_shared(dst_p);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;"
-    :: "r"(dst_addr), "l"(src_p), "n"(4));
-}
+  asm volatile("cp.async.{cache}.shared.global [%0], [%1], %2;"
+    :: "r"(dst_addr), "l"(src_p), "n"({bytes_}));
+}}"""
+
+
+CP_ASYNC_HELPERS = _cp_async(4, "ca") + """
 __forceinline__ __device__ void commit() {
   asm volatile("cp.async.commit_group;" :  : );
 }
@@ -181,15 +186,7 @@ def test_a_cp_async_the_emulator_does_not_model_is_refused():
 
 # REVERSE in 16-byte copies (cp.async.cg, what codegen.tensor_core's copies of 16-bit operands are):
 # 16 threads each copy four floats, from ``SHIFT`` floats into the tile
-ASYNC_REVERSE_16 = """
-__forceinline__ __device__ void ptx_cp_async_16(void* dst, int dst_off, void* src, int src_off) {
-  uint8_t* dst_p = (uint8_t*)dst + dst_off * 4;
-  uint8_t* src_p = (uint8_t*)src + src_off * 4;
-  unsigned int dst_addr = __cvta_generic_to_shared(dst_p);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], %2;"
-    :: "r"(dst_addr), "l"(src_p), "n"(16));
-}
-""" + CP_ASYNC_HELPERS + _kernel("""
+ASYNC_REVERSE_16 = _cp_async(16, "cg") + CP_ASYNC_HELPERS + _kernel("""
   __shared__ alignas(64) float tile[72];
   if (threadIdx.x < 16) ptx_cp_async_16(tile, 4 * threadIdx.x + SHIFT, x_ptr, blockIdx.x * 64 + 4 * threadIdx.x);
   commit();

@@ -235,16 +235,22 @@ void check_granule(Granule& granule, bool write, const char* memory, size_t offs
 
 void switch_to_scheduler();
 
+// The global buffer whose bytes ``at`` to ``at + bytes`` are, or nullptr.
+Region* region_of(uintptr_t at, size_t bytes) {
+  auto region = std::upper_bound(launch->regions.begin(), launch->regions.end(), at,
+                                 [](uintptr_t a, const Region& r) { return a < r.begin; });
+  if (region == launch->regions.begin() || at + bytes > (--region)->end) return nullptr;
+  return &*region;
+}
+
 // ``address``'s offset from the start of its buffer: the block's shared memory or a global buffer
 // (the address itself outside them).
 size_t buffer_offset(const void* address) {
   uintptr_t at = reinterpret_cast<uintptr_t>(address);
   uintptr_t tls = reinterpret_cast<uintptr_t>(launch->tls);
   if (at >= tls && at < tls + launch->tls_bytes) return at - tls;
-  auto region = std::upper_bound(launch->regions.begin(), launch->regions.end(), at,
-                                 [](uintptr_t a, const Region& r) { return a < r.begin; });
-  if (region != launch->regions.begin() && at < (--region)->end) return at - region->begin;
-  return at;
+  const Region* region = region_of(at, 1);
+  return region ? at - region->begin : at;
 }
 
 void on_access(void* address, size_t bytes, bool write, void* return_address) {
@@ -261,9 +267,8 @@ void on_access(void* address, size_t bytes, bool write, void* return_address) {
       check_granule(granules[g], write, "shared memory", g * GRANULE, pc);
     }
   } else {
-    auto region = std::upper_bound(launch->regions.begin(), launch->regions.end(), at,
-                                   [](uintptr_t a, const Region& r) { return a < r.begin; });
-    if (region == launch->regions.begin() || at + bytes > (--region)->end) {
+    Region* region = region_of(at, bytes);
+    if (region == nullptr) {
       for (const souffle_dim3* dims : {&souffle_thread_idx, &souffle_block_idx, &souffle_block_dim, &souffle_grid_dim}) {
         uintptr_t begin = reinterpret_cast<uintptr_t>(dims);
         if (at >= begin && at < begin + sizeof(souffle_dim3)) return;
