@@ -450,7 +450,8 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     """One execution of a stage on tensor cores (``codegen.tensor_core``), from its tile: per
     chunk of ``depth`` terms every thread copies its share of both operands' slices (``rows +
     columns`` rows) from global to shared memory, ``copy_vector`` float16, bfloat16 or float32 elements
-    (16 bytes) per instruction; the block synchronizes; for each 16 terms (8 in TF32) each warp loads its
+    (16 bytes) per store, loaded in the instructions the schedule found (``_slice_copies``); the
+    block synchronizes; for each 16 terms (8 in TF32) each warp loads its
     ``fragments_i + fragments_j`` fragments from shared memory (512 bytes each) and issues its
     ``mma_sync``s; the block synchronizes again. At the end each warp stores its accumulators to
     shared memory (1 KB per fragment), the block synchronizes, and the tile is read back and
@@ -474,7 +475,8 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     fragment_sectors = FRAGMENT * tile.fragment_k * element // SECTOR_BYTES
     accumulator_sectors = FRAGMENT * FRAGMENT * 4 // SECTOR_BYTES
     stores = rows * cols // (WARP * TENSOR_CORE_VECTOR)
-    accesses = (*_slice_copies(reduction, (rows, cols), chunks * tile.depth, element, tile.copy_vector),
+    accesses = (*_slice_copies(reduction, (rows, cols), chunks * tile.depth, element, tile.copy_vector,
+                                tile.warp_copies),
                 MemoryAccess("fragments", "load", "shared", warps * steps * (tile.fragments_i + tile.fragments_j),
                              fragment_sectors),
                 MemoryAccess("accumulators", "store", "shared", warps * tile.fragments_i * tile.fragments_j,
@@ -497,17 +499,26 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
 
 
 def _slice_copies(reduction: te.Tensor, extents: tuple[int, int], terms: int, element: int,
-                  vector: int) -> list[MemoryAccess]:
+                  vector: int, warp_copies: tuple = ()) -> list[MemoryAccess]:
     """A tensor-core tile's copies of its operands' slices (``extents``: rows, columns; ``terms``
-    per row, all chunks), global to shared: ``vector`` elements per instruction, or one where the
-    operand is gathered (``codegen.schedule.gathered_factors``: a padded convolution's input),
+    per row, all chunks), global to shared: ``vector`` elements per store, loaded as the schedule
+    found (``TensorCoreTile.warp_copies``: one instruction a vector, or one a lane of it, and the
+    sectors each touches), else one coalesced instruction a vector; or one element a lane where
+    the operand is gathered (``codegen.schedule.gathered_factors``: a padded convolution's input),
     whose warp reads 32 consecutive terms of a row, in the sectors the lanes' indices touch."""
     accesses = []
-    for name, extent, gathered in zip(("first operand", "second operand"), extents, gathered_factors(reduction)):
+    for index, (name, extent, gathered) in enumerate(zip(("first operand", "second operand"), extents,
+                                                           gathered_factors(reduction))):
         width = 1 if gathered else vector
         copies = extent * terms // (WARP * width)
-        sectors = _gathered_sectors(reduction) if gathered else WARP * width * element // SECTOR_BYTES
-        accesses += [MemoryAccess(f"{name} slices", "load", "global", copies, sectors),
+        measured = warp_copies[index] if warp_copies else None
+        if gathered:
+            loads, sectors = copies, _gathered_sectors(reduction)
+        elif measured is not None:
+            loads, sectors = copies * measured.loads, -(-measured.sectors // measured.loads)
+        else:
+            loads, sectors = copies, WARP * width * element // SECTOR_BYTES
+        accesses += [MemoryAccess(f"{name} slices", "load", "global", loads, sectors),
                      MemoryAccess(f"{name} slices", "store", "shared", copies,
                                   max(1, WARP * width * element // SECTOR_BYTES))]
     return accesses

@@ -56,6 +56,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import islpy as isl
 import tvm
@@ -68,6 +69,7 @@ from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline
 
 from analysis.affine import row_major
 from analysis.dependence import IslWriter, NotAffine, constant, sub_expressions
+from analysis.latency import SECTOR_BYTES
 from analysis.threads import one_vector_instruction
 
 FRAGMENT = 16  # the rows and columns of every wmma fragment this schedule uses
@@ -83,6 +85,16 @@ SLICE_PAD = 8  # elements added to each operand slice's rows (dlight's storage_a
 # Whether a GEMM whose first operand's rows run along its rows is scheduled as its transpose
 # (``tensor_core_schedule``); off in benchmarks/gpu_variants.py's ``dlight-order``
 TRANSPOSE_ROW_OPERANDS = True
+
+
+class WarpCopy(NamedTuple):
+    """A warp's copy of one vector a lane of an operand's slice from global memory, as
+    scheduled: its global load instructions (one, or one a lane of the vector where TVM's code
+    generator loads it lane by lane) and the 32-byte sectors they touch, counted per instruction
+    and summed."""
+
+    loads: int
+    sectors: int
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,10 @@ class TensorCoreTile:
     # elements per operand copy (``COPY_BYTES`` of the operands' dtype; ``VECTOR`` for a GEMM whose
     # columns or terms are not whole vectors of that)
     copy_vector: int = COPY_BYTES // 2
+    # each operand's ``WarpCopy`` as ``tensor_core_schedule`` scheduled it (None for one copied under
+    # a condition, an element a lane); empty where no schedule measured them. A fact of the GEMM the
+    # tile was scheduled on, not of the tile: tiles compare without it
+    warp_copies: tuple[WarpCopy | None, ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def rows(self) -> int:
@@ -335,6 +351,51 @@ def _loads_as_vectors(sch: s_tir.Schedule, copy, width: int) -> bool:
     return True
 
 
+def _warp_copy(sch: s_tir.Schedule, copy, width: int, asynchronous: bool) -> WarpCopy:
+    """What the first warp's first copy of ``copy`` (an operand's copy into its slice, its producers
+    inlined, its last two loops the lanes and the ``width`` elements of each lane's vector) loads:
+    one instruction a load of the copy where it is a cp.async (``asynchronous``: whole vectors,
+    ``_copies_whole_vectors``) or TVM loads the vector as one (``_loads_as_vectors``), else one a
+    lane of the vector, each touching the sectors of its lanes' elements (an index that
+    reads memory, a gather, a sector of its own). Coalesced, a warp's 16-byte copies touch 16
+    sectors in one instruction; A^T's 4-element copies, each vector gathered from four rows of A,
+    touch 16 sectors in each of four."""
+    realize = _realize_of(sch, copy)
+    values = {iv.var: value for iv, value in zip(realize.block.iter_vars, realize.iter_values)}
+    loops = [sch.get(loop) for loop in sch.get_loops(copy)]
+    lane, vector = loops[-2], loops[-1]
+    outer = {loop.loop_var: loop.min for loop in loops[:-2]}  # the first warp's first copy
+    analyzer = tvm.sym.Analyzer()
+    whole = asynchronous or (width > 1 and _loads_as_vectors(sch, copy, width))
+    loads = sectors = 0
+    for load in _distinct_loads(realize.block.body.value):
+        itemsize = tvm.DataType(str(load.source.dtype)).bits // 8
+        flat = tvm_ffi.structural_map(row_major(list(load.indices), load.source.shape),
+                                      [(tirx.Var, lambda v: values.get(v, v))])
+        flat = analyzer.simplify(tvm_ffi.structural_map(flat, [(tirx.Var, lambda v: outer.get(v, v))]))
+
+        def sector(at_lane: int, element: int):
+            point = {lane.loop_var: lane.min + at_lane, vector.loop_var: vector.min + element}
+            index = analyzer.simplify(tvm_ffi.structural_map(flat, [(tirx.Var, lambda v: point.get(v, v))]))
+            return index.value * itemsize // SECTOR_BYTES if isinstance(index, tirx.IntImm) else (at_lane, element)
+
+        instructions = [range(width)] if whole else [[element] for element in range(width)]
+        loads += len(instructions)
+        sectors += sum(len({sector(at_lane, element) for at_lane in range(WARP) for element in elements})
+                       for elements in instructions)
+    return WarpCopy(loads, sectors)
+
+
+def _distinct_loads(expr) -> list:
+    """The loads in ``expr``, each (buffer, indices) once, as nvcc loads them."""
+    distinct = []
+    for load in (e for e in sub_expressions(expr) if isinstance(e, TensorLoad)):
+        if not any(seen.source.same_as(load.source) and tvm_ffi.structural_equal(list(seen.indices), list(load.indices))
+                   for seen in distinct):
+            distinct.append(load)
+    return distinct
+
+
 def _realize_of(sch: s_tir.Schedule, block_rv):
     """The ``SBlockRealize`` of ``block_rv`` in the schedule's function (its iterators' values)."""
     block = sch.get(block_rv)
@@ -541,6 +602,9 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     if tile.copies_async and not (copies == [a_shared, b_shared] and
                                   all(_copies_whole_vectors(sch, copy, tile.copy_vector) for copy in copies)):
         tile = dataclasses.replace(tile, async_stages=0)
+    tile = dataclasses.replace(tile, warp_copies=tuple(
+        None if gathered else _warp_copy(sch, copy, tile.copy_vector, tile.copies_async)
+        for copy, gathered in zip((a_shared, b_shared), conditional)))
     if tile.copies_async:
         pipeline_chunks_async(sch, k_chunk, (a_shared, b_shared), tile.async_stages)
     elif tile.pipelined:

@@ -179,8 +179,12 @@ def test_the_latency_model_counts_the_gathered_slice_an_element_per_copy():
     gathered, weights = copies["first operand slices", "load"], copies["second operand slices", "load"]
     assert gathered.per_tile == tile.rows * chunks * tile.depth // 32  # one element per lane
     # four per lane: the weights, [O, C, 3, 3] read at k // 9, k % 9 // 3 and k % 3, are consecutive
-    # but not a ramp to TVM's vectorizer, which would print eight lanes as code nvcc refuses
+    # but not a ramp to TVM's vectorizer, which would print eight lanes as code nvcc refuses; it loads
+    # the four lane by lane: four instructions a vector, each of 32 elements 8 bytes apart (8 sectors),
+    # and stores them into the slice as one vector
     (stage,) = [s for s in plan.staged.stages() if s.schedule.tensor_core_tile]
     assert stage.schedule.tensor_core_tile.copy_vector == 4
-    assert weights.per_tile == tile.columns * chunks * tile.depth // (32 * 4)
+    assert weights.per_tile == tile.columns * chunks * tile.depth // 32
+    assert weights.sectors == 32 * 4 * 2 // 32
+    assert copies["second operand slices", "store"].per_tile == tile.columns * chunks * tile.depth // (32 * 4)
     assert 1 < gathered.sectors < 32  # a warp's 32 terms of one row: runs of 3 along the window's rows

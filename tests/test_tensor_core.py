@@ -26,7 +26,7 @@ from analysis.device import H100
 from codegen.latency import latency_estimate, stage_works
 from codegen.schedule import (MATMUL_MIN_USE, NARROW_MIN_USE, buffer_elements, matmul_stage, pool_offsets, pooled_shared,
                               tensor_core_stages)
-from codegen.tensor_core import ASYNC_STAGES, NARROW_TILES, TILES
+from codegen.tensor_core import ASYNC_STAGES, NARROW_TILES, TILES, WarpCopy
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
@@ -303,6 +303,31 @@ def test_an_operand_gathered_from_strided_elements_is_not_copied_by_cp_async():
     for order in ("ascending", "descending"):
         (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
         np.testing.assert_allclose(output, expected, rtol=1e-2, atol=1e-2, err_msg=order)
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_the_latency_model_counts_a_gathered_vector_lane_by_lane():
+    """Each copied vector of A^T gathers four elements a row of A apart: TVM's code generator loads
+    it lane by lane, four instructions a vector, each touching a sector for every two lanes. The
+    latency model counts the loads as scheduled, where it took every copy as one coalesced
+    instruction; B's vectors stay one instruction of 8 sectors."""
+    plan = run_passes(_transposed_a_product()[0], "cuda", stop="kernel_plan", opt_level=4, precision="fp16").ir
+    (stage,) = [s for s in plan.staged.stages() if s.schedule.tensor_core_tile]
+    tile = stage.schedule.tensor_core_tile
+    assert (tile.depth, tile.copy_vector, tile.copies_async) == (64, 4, False)
+    # lane l copies terms 4 (l % 16) to 4 (l % 16) + 3 of the slice's row l // 16: A[k, m], at 128 k + m
+    lanes = np.arange(32)
+    per_instruction = [len(set(((lanes % 16 * 4 + e) * 128 + lanes // 16) * 2 // 32)) for e in range(4)]
+    assert per_instruction == [16] * 4
+    assert tile.warp_copies == (WarpCopy(4, 64), WarpCopy(1, 32 * 4 * 2 // 32))
+    (work,) = [w for w in stage_works(plan.staged, H100) if w.template == "tensor_core"]
+    copies = {(a.tensor, a.kind): a for a in work.accesses}
+    vectors = tile.rows * tile.depth // (32 * 4)  # one chunk: 64 terms
+    assert (copies["first operand slices", "load"].per_tile, copies["first operand slices", "load"].sectors) == \
+        (4 * vectors, 16)
+    assert copies["first operand slices", "store"].per_tile == vectors
+    assert (copies["second operand slices", "load"].per_tile, copies["second operand slices", "load"].sectors) == \
+        (tile.columns * tile.depth // (32 * 4), 8)
 
 
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
