@@ -12,7 +12,11 @@ each mutant:
   different threads with the same barrier counts (the block's count for threads of one block,
   the grid barrier count across blocks) are a race; a stage's output element written by no
   thread or by two, an index outside its buffer, a barrier not every thread reaches, a launch
-  shape the code does not declare are faults too. It runs at two grid sizes.
+  shape the code does not declare, a vector access TVM prints as one instruction that does not
+  start on a multiple of its bytes are faults too. It runs at two grid sizes.
+
+The tiny models' kernels have no vector stores, so ``misalign_vector`` (a vector store moved one
+element off its bytes) finds its sites in the tensor-core kernels of tests/test_tensor_core.py.
 
 A mutant the concrete run finds unsafe must be rejected (else a false accept); one it finds
 harmless (a barrier that orders nothing) is counted apart, accepted or not.
@@ -42,7 +46,7 @@ import tvm  # noqa: E402
 from tvm import tirx  # noqa: E402
 from tvm.ir.expr import TensorLoad  # noqa: E402
 
-from analysis.threads import device_functions, validate_kernel  # noqa: E402
+from analysis.threads import device_functions, one_vector_instruction, validate_kernel  # noqa: E402
 from benchmarks import common  # noqa: E402
 from codegen.cuda import device_module  # noqa: E402
 from souffle import models  # noqa: E402
@@ -50,7 +54,7 @@ from souffle.compiler import run_passes  # noqa: E402
 
 UNBUILT: list[str] = []  # mutants whose TIR could not be rebuilt (listed in the results, not counted)
 KINDS = ("drop_syncthreads", "drop_grid_barrier", "fewer_threads", "collapse_reduction", "barrier_under_if",
-         "shift_store", "neighbour_read")
+         "shift_store", "neighbour_read", "misalign_vector")
 WARP = 32
 PACKAGES = ("apache-tvm", "islpy", "numpy")
 
@@ -242,6 +246,13 @@ def stage_sites(func, k: int, s, tx, bx, found: dict):
             f"stage {k}: the lane-0 store to {store.buffer.name} done by every lane, accumulating",
             lambda s=s, store=store: replace_one(func, s, tirx.BufferStore(
                 store.buffer, tirx.BufferLoad(store.buffer, store.indices) + store.value, store.indices))))
+    if isinstance(s, tirx.BufferStore) and not scope_of(s.buffer).startswith("local") \
+            and one_vector_instruction(s.indices[0], int(getattr(s.indices[0], "lanes", 1)), write=True):
+        ramp = s.indices[0]
+        found["misalign_vector"].append((
+            f"stage {k}: its {int(ramp.lanes)}-lane vector store to {s.buffer.name} one element later",
+            lambda s=s, ramp=ramp: replace_one(func, s, tirx.BufferStore(
+                s.buffer, s.value, [tirx.Ramp(ramp.base + 1, ramp.stride, ramp.lanes)]))))
     if isinstance(s, tirx.BufferStore):
         loads = []
         rewrite_expr(s.value, lambda e: loads.append(e) or e if isinstance(e, TensorLoad)
@@ -375,6 +386,8 @@ class Concrete:
         if not mask.any():
             return
         root, offset, size, extent, root_bytes = self.view(buffer)
+        if offset is not None and isinstance(index, tirx.Ramp):
+            self.check_alignment(buffer, index, write, mask, offset)
         lanes = [index]
         if isinstance(index, tirx.Ramp):
             lanes = [index.base + index.stride * k for k in range(int(index.lanes))]
@@ -406,6 +419,24 @@ class Concrete:
                                 self.grid_epoch[ids].copy()))
             if write and self.stage is not None and buffer.scope() == "global" and extent is not None:
                 self.coverage.setdefault((self.stage, buffer), (extent, []))[1].append((element, ids))
+
+    def check_alignment(self, buffer, index, write: bool, mask, offset):
+        """A vector access TVM prints as one instruction (``one_vector_instruction``) must start on
+        a multiple of its bytes, counted from its allocation (which starts on 16): else the GPU
+        raises a misaligned address."""
+        lanes = int(index.lanes)
+        if not one_vector_instruction(index, lanes, write):
+            return
+        try:
+            first = self.vec(self.ev(index.base))
+        except DataDependent:
+            return
+        element = buffer.dtype.bits // 8
+        address = (self.vec(offset) + first * element)[mask]
+        if (address % (lanes * element)).any():
+            self.faults.append(f"misaligned: a {lanes * element}-byte vector {'store to' if write else 'load from'} "
+                               f"{buffer.name} at byte {int(address[address % (lanes * element) != 0][0])} "
+                               f"of its allocation")
 
     def loads(self, e, mask):
         def visit(x, mask):

@@ -408,6 +408,25 @@ def test_a_tensor_core_stage_with_half_its_warps_is_caught():
 
 
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+@pytest.mark.parametrize("pipeline", ["cp.async", "registers"])
+def test_a_vector_store_one_element_off_its_bytes_is_caught(pipeline, request):
+    """Each vector store of the tensor-core kernel (the output tile's, and the slices' copies
+    where they go through registers) moved one element later starts off a multiple of its bytes:
+    the validator refuses each, and the concrete run of scripts/validate_mutants.py finds the
+    misaligned address."""
+    if pipeline == "registers":
+        request.getfixturevalue("register_pipeline")
+    kernel = _kernel(_relu_dense(128, 128, 128)[0])
+    faults = mutants.sites(kernel)["misalign_vector"]
+    stores = {what.split(" to ")[1].split(" ")[0] for what, _ in faults}
+    assert "compute" in stores and (pipeline == "cp.async") == (len(stores) == 1), stores
+    for what, make in faults:
+        func = make()
+        assert any("misaligned" in v for v in mutants.validate(kernel, func).violations), what
+        assert any(f.startswith("misaligned") for f in mutants.concrete_faults(kernel, func)), what
+
+
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
 def test_a_wmma_operation_on_half_a_warp_is_caught():
     """wmma needs all 32 lanes: each of its operations under ``if threadIdx.x < 16`` is refused."""
     kernel = _kernel(_relu_dense(128, 128, 128)[0])
