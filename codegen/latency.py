@@ -54,7 +54,6 @@ from codegen.schedule import (MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMU
                               gathered_factors)
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
 from codegen.tensor_core import FRAGMENT
-from codegen.tensor_core import VECTOR as TENSOR_CORE_VECTOR
 from codegen.traffic import (L2Traffic, StageTraffic, Traffic, compulsory_bytes, l2_traffic, memory_traffic,
                              stage_traffic)
 from codegen.tuned import TEMPLATE as TUNED_TEMPLATE
@@ -455,7 +454,7 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     ``fragments_i + fragments_j`` fragments from shared memory (512 bytes each) and issues its
     ``mma_sync``s; the block synchronizes again. At the end each warp stores its accumulators to
     shared memory (1 KB per fragment), the block synchronizes, and the tile is read back and
-    stored to global memory ``VECTOR`` elements per instruction, the epilogue computed on the way.
+    stored to global memory ``store_vector`` elements per instruction, the epilogue computed on the way.
     A tile whose slices are copied by cp.async waits on memory once for every ``async_stages - 1``
     chunks (that many are in flight together), where the register pipeline waits once a chunk."""
     schedule = stage.schedule
@@ -474,16 +473,16 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     peak_dtype = "tf32" if operand == "float32" else operand  # float32 operands are multiplied in TF32
     fragment_sectors = FRAGMENT * tile.fragment_k * element // SECTOR_BYTES
     accumulator_sectors = FRAGMENT * FRAGMENT * 4 // SECTOR_BYTES
-    stores = rows * cols // (WARP * TENSOR_CORE_VECTOR)
+    stores = rows * cols // (WARP * tile.store_vector)
     accesses = (*_slice_copies(reduction, (rows, cols), chunks * tile.depth, element, tile.copy_vector,
                                 tile.warp_copies),
                 MemoryAccess("fragments", "load", "shared", warps * steps * (tile.fragments_i + tile.fragments_j),
                              fragment_sectors),
                 MemoryAccess("accumulators", "store", "shared", warps * tile.fragments_i * tile.fragments_j,
                              accumulator_sectors),
-                MemoryAccess("accumulators", "load", "shared", stores, WARP * TENSOR_CORE_VECTOR * 4 // SECTOR_BYTES),
+                MemoryAccess("accumulators", "load", "shared", stores, WARP * tile.store_vector * 4 // SECTOR_BYTES),
                 MemoryAccess(stage.tensor.op.name, "store", "global", stores,
-                             max(1, WARP * TENSOR_CORE_VECTOR * out // SECTOR_BYTES)))
+                             max(1, WARP * tile.store_vector * out // SECTOR_BYTES)))
     flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
     issued = _padded_flops(stage, reduction, rows * cols * chunks * tile.depth)
     read_bytes = sum(dram.reads)
@@ -509,9 +508,9 @@ def _slice_copies(reduction: te.Tensor, extents: tuple[int, int], terms: int, el
     accesses = []
     for index, (name, extent, gathered) in enumerate(zip(("first operand", "second operand"), extents,
                                                            gathered_factors(reduction))):
-        width = 1 if gathered else vector
-        copies = extent * terms // (WARP * width)
         measured = warp_copies[index] if warp_copies else None
+        width = 1 if gathered else measured.width if measured is not None else vector
+        copies = extent * terms // (WARP * width)
         if gathered:
             loads, sectors = copies, _gathered_sectors(reduction)
         elif measured is not None:

@@ -41,9 +41,12 @@ float32 ones, and printed as CUDA's ``precision::tf32`` (``codegen.tf32``).
 A GEMM whose sizes are not whole tiles is padded as dlight pads it (``pad_einsum``): the rows,
 columns and terms past its edges read as zeros and are not stored (Swin's 196 tokens, ResNeXt's
 14 x 14 and 7 x 7 feature maps). TVM's CUDA lowering puts each padded vector load under a branch,
-which reads nothing past the operand; the columns and terms must be whole copy vectors
+which reads nothing past the operand; the terms must be whole copy vectors
 (``TensorCoreTile.copy_vector``, else ``VECTOR``), so that the branch's condition holds for every
-element of the vector or for none.
+element of the vector or for none. Columns that are not whole vectors of ``VECTOR`` (a 1 x 1
+convolution over a 7 x 7 map as the transposed GEMM: 49) are stored an element a lane
+(``TensorCoreTile.store_vector``), and an operand whose vectors run along them is copied an
+element a lane, through registers.
 
 Left out: dlight's pipeline of the fragments' loads within a chunk (a third stage, two copies of
 every fragment: registers the 128 x 128 tiles do not have).
@@ -88,11 +91,12 @@ TRANSPOSE_ROW_OPERANDS = True
 
 
 class WarpCopy(NamedTuple):
-    """A warp's copy of one vector a lane of an operand's slice from global memory, as
-    scheduled: its global load instructions (one, or one a lane of the vector where TVM's code
-    generator loads it lane by lane) and the 32-byte sectors they touch, counted per instruction
-    and summed."""
+    """A warp's copy of one vector a lane (``width`` elements) of an operand's slice from global
+    memory, as scheduled: its global load instructions (one, or one a lane of the vector where
+    TVM's code generator loads it lane by lane) and the 32-byte sectors they touch, counted per
+    instruction and summed."""
 
+    width: int
     loads: int
     sectors: int
 
@@ -120,6 +124,9 @@ class TensorCoreTile:
     # a condition, an element a lane); empty where no schedule measured them. A fact of the GEMM the
     # tile was scheduled on, not of the tile: tiles compare without it
     warp_copies: tuple[WarpCopy | None, ...] = dataclasses.field(default=(), compare=False)
+    # elements per store of the output tile: ``VECTOR``, or one where the GEMM's columns are not
+    # whole vectors (a 1 x 1 convolution over a 7 x 7 map as the transposed GEMM: 49 columns)
+    store_vector: int = VECTOR
 
     @property
     def rows(self) -> int:
@@ -383,7 +390,7 @@ def _warp_copy(sch: s_tir.Schedule, copy, width: int, asynchronous: bool) -> War
         loads += len(instructions)
         sectors += sum(len({sector(at_lane, element) for at_lane in range(WARP) for element in elements})
                        for elements in instructions)
-    return WarpCopy(loads, sectors)
+    return WarpCopy(width, loads, sectors)
 
 
 def _distinct_loads(expr) -> list:
@@ -412,29 +419,30 @@ def _realize_of(sch: s_tir.Schedule, block_rv):
 def _steps_by_one(sch: s_tir.Schedule, copy, dim: int) -> bool:
     """Whether ``copy`` (an operand's reindex copy, ``T[s, j, k] = B[...]``) reads the next element
     in memory for the next element of ``T`` along its dimension ``dim``: the operand's rows run
-    along that dimension. isl finds no two points of the copy whose writes are one apart along
+    along that dimension. isl finds, for each load of the copy (an operand summed from split-K
+    partials reads each partial), no two points of the copy whose writes are one apart along
     ``dim`` (and equal elsewhere) whose reads are not one apart."""
     block = sch.get(copy)
     if not isinstance(block.body, tirx.BufferStore):
         return False
     loads = [e for e in sub_expressions(block.body.value) if isinstance(e, TensorLoad)]
-    if len(loads) != 1:
+    if not loads:
         return False
     iters = block.iter_vars
     points = {tag: [f"{tag}{k}" for k in range(len(iters))] for tag in ("p", "q")}
     writers = {tag: IslWriter([(iv.var, name) for iv, name in zip(iters, names)]) for tag, names in points.items()}
     domain = [f"{int(iv.dom.min)} <= {name} < {int(iv.dom.min) + int(iv.dom.extent)}"
               for names in points.values() for iv, name in zip(iters, names)]
-    flat = row_major(list(loads[0].indices), loads[0].source.shape)
     try:
         written = {tag: [w.index(i).text for i in block.body.indices] for tag, w in writers.items()}
-        read = {tag: w.index(flat).text for tag, w in writers.items()}
+        reads = [{tag: w.index(row_major(list(load.indices), load.source.shape)).text for tag, w in writers.items()}
+                 for load in loads]
     except NotAffine:
         return False
     neighbours = [f"{q} = {p} + {int(k == dim)}" for k, (p, q) in enumerate(zip(written["p"], written["q"]))]
     names = ", ".join(points["p"] + points["q"])
-    apart = isl.Set(f"{{ [{names}] : {' and '.join(domain + neighbours)} and {read['q']} != {read['p']} + 1 }}")
-    return apart.is_empty()
+    return all(isl.Set(f"{{ [{names}] : {' and '.join(domain + neighbours)} and {read['q']} != {read['p']} + 1 }}")
+               .is_empty() for read in reads)
 
 
 def _operand_dtypes(tile: TensorCoreTile) -> tuple[str, ...]:
@@ -550,10 +558,18 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     if not _fills(rows, columns, tile, min_use):
         return None
     # a padded vector would be read or stored in part: the condition must hold for all of it
+    if depth % VECTOR:
+        return None
     if columns % tile.copy_vector or depth % tile.copy_vector:
-        if columns % VECTOR or depth % VECTOR:
-            return None
         tile = dataclasses.replace(tile, copy_vector=VECTOR)
+    # where the columns are not whole vectors even of ``VECTOR``, the output tile is stored an
+    # element a lane, and so is the second operand copied where its vectors run along the columns
+    # (kept in its own order, below): the padding's condition is an element's
+    whole_columns = columns % tile.copy_vector == 0
+    if not whole_columns:
+        tile = dataclasses.replace(tile, store_vector=1)
+    widths = (1 if conditional[0] else tile.copy_vector,
+              1 if conditional[1] or (not trans_b and not whole_columns) else tile.copy_vector)
     # dlight's padding: rows, columns and terms past the GEMM's read as zeros (a branch around each
     # vector load, whose condition is the same for the vector's elements) and not stored
     sch.pad_einsum(main, [1, tile.rows, tile.columns, tile.depth])
@@ -581,7 +597,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         # an operand computed under a condition (a padding) is copied an element at a time: a
         # vector select loads every element of the vector, those the condition excludes too
         # (TVM vectorizes one whose indices are a ramp: a padded input read along its rows)
-        width = 1 if conditional[index] else tile.copy_vector
+        width = widths[index]
         _, copy_warp, lane, vector = sch.split(fused, [None, tile.warps, WARP, width])
         sch.bind(lane, "threadIdx.x")
         sch.bind(copy_warp, "threadIdx.y")
@@ -593,18 +609,19 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     a_shared, b_shared = stage_in_shared(0), stage_in_shared(1)
     auto_inline_producers(sch, a_shared)
     auto_inline_producers(sch, b_shared)
-    copies = [copy for copy, gathered in zip((a_shared, b_shared), conditional) if not gathered]
-    if tile.copy_vector > VECTOR and not all(_loads_as_vectors(sch, copy, tile.copy_vector) for copy in copies):
+    vectors = [copy for copy, width in zip((a_shared, b_shared), widths) if width > 1]
+    if tile.copy_vector > VECTOR and not all(_loads_as_vectors(sch, copy, tile.copy_vector) for copy in vectors):
         # TVM's CUDA code generator loads a vector it cannot load as one lane by lane, and prints
         # eight 16-bit lanes as code nvcc refuses: ``VECTOR`` elements then
         return tensor_core_schedule(func, dataclasses.replace(tile, copy_vector=VECTOR), threads, min_use, wide_min_use,
                                     swapped)
-    if tile.copies_async and not (copies == [a_shared, b_shared] and
-                                  all(_copies_whole_vectors(sch, copy, tile.copy_vector) for copy in copies)):
+    # a cp.async moves 4, 8 or 16 bytes: an element a lane goes through registers
+    if tile.copies_async and not (vectors == [a_shared, b_shared] and
+                                  all(_copies_whole_vectors(sch, copy, tile.copy_vector) for copy in vectors)):
         tile = dataclasses.replace(tile, async_stages=0)
     tile = dataclasses.replace(tile, warp_copies=tuple(
-        None if gathered else _warp_copy(sch, copy, tile.copy_vector, tile.copies_async)
-        for copy, gathered in zip((a_shared, b_shared), conditional)))
+        None if gathered else _warp_copy(sch, copy, width, tile.copies_async)
+        for copy, gathered, width in zip((a_shared, b_shared), conditional, widths)))
     if tile.copies_async:
         pipeline_chunks_async(sch, k_chunk, (a_shared, b_shared), tile.async_stages)
     elif tile.pipelined:
@@ -654,7 +671,8 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         return None
     auto_inline_consumer_chain(sch, c_shared)
     fused = sch.fuse(*sch.get_loops(c_shared)[-2:])
-    _, lane, vector = sch.split(fused, [None, WARP, VECTOR])
+    _, lane, vector = sch.split(fused, [None, WARP, tile.store_vector])
     sch.bind(lane, "threadIdx.x")
-    sch.vectorize(vector)
+    if tile.store_vector > 1:
+        sch.vectorize(vector)
     return sch, tile

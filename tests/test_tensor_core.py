@@ -75,7 +75,11 @@ def test_a_dense_gets_one_candidate_per_tile_that_fits_it():
 def test_tensor_cores_are_not_used_where_they_do_not_fit():
     assert tensor_core_stages(_dense(256, 256, 128, "float32")) == []  # float32 operands: the SIMT rule
     assert tensor_core_stages(_dense(256, 256, 98)) == []  # a padded vector of terms would be read in part
-    assert tensor_core_stages(_dense(256, 190, 64)) == []  # ... or a padded vector of outputs stored in part
+    # 190 columns, not whole vectors: the output tile is stored an element a lane, the operands'
+    # vectors (along the terms) stay whole, and go through registers (cp.async needs all of a copy's vectors whole)
+    stages = tensor_core_stages(_dense(256, 190, 64))
+    assert stages and all(s.tensor_core_tile.store_vector == 1 and s.tensor_core_tile.copy_vector == 4
+                          and [c.width for c in s.tensor_core_tile.warp_copies] == [4, 4] for _, s in stages)
     # 40 rows: 128-row tiles would be a third used; the 64-row ones write boxes of 40 rows
     assert [(s.tensor_core_tile, s.box) for _, s in tensor_core_stages(_dense(40, 256, 64))] == \
         [(TILES[1], (40, 128)), (TILES[2], (40, 64))]
@@ -319,7 +323,7 @@ def test_the_latency_model_counts_a_gathered_vector_lane_by_lane():
     lanes = np.arange(32)
     per_instruction = [len(set(((lanes % 16 * 4 + e) * 128 + lanes // 16) * 2 // 32)) for e in range(4)]
     assert per_instruction == [16] * 4
-    assert tile.warp_copies == (WarpCopy(4, 64), WarpCopy(1, 32 * 4 * 2 // 32))
+    assert tile.warp_copies == (WarpCopy(4, 4, 64), WarpCopy(4, 1, 32 * 4 * 2 // 32))
     (work,) = [w for w in stage_works(plan.staged, H100) if w.template == "tensor_core"]
     copies = {(a.tensor, a.kind): a for a in work.accesses}
     vectors = tile.rows * tile.depth // (32 * 4)  # one chunk: 64 terms
@@ -398,6 +402,25 @@ def test_a_pointwise_convolution_is_the_transposed_gemm_with_its_copies_async(or
     np.testing.assert_allclose(output.reshape(expected.shape), expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_a_pointwise_convolution_over_a_7_x_7_map_is_the_transposed_gemm_copied_an_element_a_lane(order, monkeypatch):
+    """A 7 x 7 map is 49 columns of the transposed GEMM, not whole vectors: the input (kept
+    [channels, hw]) is copied an element a lane, 32 consecutive halves a warp (2 sectors), and the
+    output tile stored an element a lane, where dlight's order gathers each vector of four channels
+    a feature map apart. Where the latency model takes it (paper ResNeXt's layer-4 1 x 1
+    convolutions), it matches PyTorch on emulated threads."""
+    graph, inputs, expected = _pointwise_conv(64, 128, 7)
+    monkeypatch.setattr("codegen.stage.stage_seconds", lambda stage, device, traffic: not (
+        stage.schedule.tensor_core_tile and stage.schedule.tensor_core_tile.store_vector == 1))
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+    (stage,) = [s for s in model.kernel_plan.staged.stages() if s.schedule.tensor_core_tile]
+    tile = stage.schedule.tensor_core_tile
+    assert tile.store_vector == 1 and not tile.copies_async
+    assert tile.warp_copies == (WarpCopy(4, 1, 8), WarpCopy(1, 1, 2))
+    (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
+    np.testing.assert_allclose(output.reshape(expected.shape), expected, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
 def test_a_tensor_core_stage_with_half_its_warps_is_caught():
     kernel = _kernel(_relu_dense(128, 128, 128)[0])
@@ -443,9 +466,10 @@ def test_a_wmma_operation_on_half_a_warp_is_caught():
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
 @pytest.mark.parametrize("precision", NARROW)
 # each tile first; 5 chunks: 3 in the pipeline's loop; rows, columns and terms padded; a narrow
-# tile on a GEMM the wide ones would leave over half empty (rows and columns padded, 2 chunks)
+# tile on a GEMM the wide ones would leave over half empty (rows and columns padded, 2 chunks);
+# columns not whole vectors (the output tile stored an element a lane, as Swin's 49 x 49 scores)
 @pytest.mark.parametrize("m, n, k", [(128, 128, 320), (64, 256, 128), (256, 192, 128), (100, 132, 72),
-                                     (196, 80, 96)])
+                                     (196, 80, 96), (96, 190, 64)])
 def test_tensor_core_stages_match_numpy_on_emulated_threads(m, n, k, precision):
     graph, inputs, expected = _relu_dense(m, n, k, NARROW[precision])
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
