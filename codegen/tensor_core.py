@@ -497,7 +497,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
     without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
     ``threads`` threads, padded to whole tiles, or None where it does not fit: other dtypes, not
-    GEMM-shaped, columns or terms not whole vectors, a tile of other than ``threads / 32`` warps,
+    GEMM-shaped, terms not whole vectors, a tile of other than ``threads / 32`` warps,
     or one whose padded tiles the GEMM's outputs would fill less than ``min_use`` of, or a narrow
     tile for a GEMM wider than ``NARROW_COLUMNS`` that a wide tile fills to ``wide_min_use``. Its
     tiles are bound to ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them. An operand
