@@ -333,15 +333,11 @@ def _loads_as_vectors(sch: s_tir.Schedule, copy, width: int) -> bool:
     Else it loads lane by lane, and prints eight lanes as a ``make_uint4`` or ``make_longlong4`` of
     eight values, which nvcc refuses (a grouped convolution's weights, ``[O, C, 3, 3]`` read at
     ``k // 9``, ``k % 9 // 3`` and ``k % 3``: consecutive, not a ramp to the vectorizer)."""
-    realize = _realize_of(sch, copy)
-    if realize is None:
+    loads = _copy_loads(sch, copy)
+    if loads is None:
         return False
-    values = {iv.var: value for iv, value in zip(realize.block.iter_vars, realize.iter_values)}
-    loads = [e for e in sub_expressions(realize.block.body.value) if isinstance(e, TensorLoad)]
     loops = [sch.get(loop) for loop in sch.get_loops(copy)]
-    for load in loads:
-        flat = tvm_ffi.structural_map(row_major(list(load.indices), load.source.shape),
-                                      [(tirx.Var, lambda v: values.get(v, v))])
+    for load, flat in loads:
         dtype = str(load.source.dtype)
         source = tirx.decl_buffer((math.prod(int(d) for d in load.source.shape),), dtype, "source")
         target = tirx.decl_buffer((width,), dtype, "target")
@@ -367,18 +363,14 @@ def _warp_copy(sch: s_tir.Schedule, copy, width: int, asynchronous: bool) -> War
     reads memory, a gather, a sector of its own). Coalesced, a warp's 16-byte copies touch 16
     sectors in one instruction; A^T's 4-element copies, each vector gathered from four rows of A,
     touch 16 sectors in each of four."""
-    realize = _realize_of(sch, copy)
-    values = {iv.var: value for iv, value in zip(realize.block.iter_vars, realize.iter_values)}
     loops = [sch.get(loop) for loop in sch.get_loops(copy)]
     lane, vector = loops[-2], loops[-1]
     outer = {loop.loop_var: loop.min for loop in loops[:-2]}  # the first warp's first copy
     analyzer = tvm.sym.Analyzer()
     whole = asynchronous or (width > 1 and _loads_as_vectors(sch, copy, width))
     loads = sectors = 0
-    for load in _distinct_loads(realize.block.body.value):
+    for load, flat in _copy_loads(sch, copy):
         itemsize = tvm.DataType(str(load.source.dtype)).bits // 8
-        flat = tvm_ffi.structural_map(row_major(list(load.indices), load.source.shape),
-                                      [(tirx.Var, lambda v: values.get(v, v))])
         flat = analyzer.simplify(tvm_ffi.structural_map(flat, [(tirx.Var, lambda v: outer.get(v, v))]))
 
         def sector(at_lane: int, element: int):
@@ -393,14 +385,21 @@ def _warp_copy(sch: s_tir.Schedule, copy, width: int, asynchronous: bool) -> War
     return WarpCopy(width, loads, sectors)
 
 
-def _distinct_loads(expr) -> list:
-    """The loads in ``expr``, each (buffer, indices) once, as nvcc loads them."""
+def _copy_loads(sch: s_tir.Schedule, copy) -> list | None:
+    """The loads of ``copy`` (its producers inlined), each (buffer, indices) once, as nvcc loads
+    them, with its flat index in the operand in the copy's loop variables: (load, index) pairs;
+    None where the schedule has no realize of the block."""
+    realize = _realize_of(sch, copy)
+    if realize is None:
+        return None
+    values = {iv.var: value for iv, value in zip(realize.block.iter_vars, realize.iter_values)}
     distinct = []
-    for load in (e for e in sub_expressions(expr) if isinstance(e, TensorLoad)):
+    for load in (e for e in sub_expressions(realize.block.body.value) if isinstance(e, TensorLoad)):
         if not any(seen.source.same_as(load.source) and tvm_ffi.structural_equal(list(seen.indices), list(load.indices))
                    for seen in distinct):
             distinct.append(load)
-    return distinct
+    return [(load, tvm_ffi.structural_map(row_major(list(load.indices), load.source.shape),
+                                          [(tirx.Var, lambda v: values.get(v, v))])) for load in distinct]
 
 
 def _realize_of(sch: s_tir.Schedule, block_rv):
@@ -565,7 +564,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     # where the columns are not whole vectors even of ``VECTOR``, the output tile is stored an
     # element a lane, and so is the second operand copied where its vectors run along the columns
     # (kept in its own order, below): the padding's condition is an element's
-    whole_columns = columns % tile.copy_vector == 0
+    whole_columns = columns % VECTOR == 0
     if not whole_columns:
         tile = dataclasses.replace(tile, store_vector=1)
     widths = (1 if conditional[0] else tile.copy_vector,
