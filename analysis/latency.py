@@ -19,7 +19,8 @@ tiles. One execution of the stage takes the largest of five times:
 - FP: the busiest SM's FLOPs at its share of the peak, scaled by how many of its FP32 lanes (or
   tensor cores) the tiles resident on it keep busy: a tile of 8 active threads leaves 120 of an
   H100 SM's 128 lanes idle. Tensor-core peak only where the schedule issues mma (``tensor_core``);
-- L1: the busiest SM's warp memory instructions, each taking ``max(1, sectors / 4)`` clocks of
+- L1: the busiest SM's warp memory instructions (but the global side of a ``cp.async.cg``, whose
+  bytes the shared store counts), each taking ``max(1, sectors / 4)`` clocks of
   the L1/shared memory's 128 bytes per clock: an uncoalesced access (32 lanes, 32 sectors) takes
   8 clocks where a coalesced one takes 1;
 - L2: every tile's global loads at sector granularity, each sector once per tile (L1 keeps a
@@ -93,6 +94,10 @@ class MemoryAccess:
     space: str  # "global" or "shared"
     per_tile: int  # times the tile's warps run it
     sectors: int  # distinct 32-byte sectors the warp's lanes touch (1 for an unconflicted shared access)
+    # False for the global side of a 16-byte ``cp.async.cg``: it caches in L2 only (PTX ISA,
+    # cp.async's .cg qualifier), its bytes land in shared memory without an L1 pass, so they cross
+    # the L1/shared array once, as the shared store counted beside it
+    through_l1: bool = True
 
 
 @dataclass(frozen=True)
@@ -193,7 +198,7 @@ def estimate_stage(work: StageWork, device: DeviceModel) -> StageEstimate:
         busy = min(1.0, blocks_on_sm * work.active_threads / device.fp32_lanes_per_sm)
         sm_peak = device.peak("float32") / device.sms
     fp = tiles_on_sm * (max(work.flops, work.issued_flops) / work.n_tiles) / (sm_peak * busy) if work.flops else 0.0
-    l1_clocks = sum(a.per_tile * max(1.0, a.sectors / L1_SECTORS_PER_CLOCK) for a in work.accesses)
+    l1_clocks = sum(a.per_tile * max(1.0, a.sectors / L1_SECTORS_PER_CLOCK) for a in work.accesses if a.through_l1)
     stores = sum(a.per_tile * a.sectors for a in work.accesses if a.kind == "store" and a.space == "global")
     times = {
         "latency": latency,

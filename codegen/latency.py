@@ -62,6 +62,7 @@ from codegen.tuned import TEMPLATE as TUNED_TEMPLATE
 # unrolls the k loop of a thread_reduce dense with a register accumulator by 8, every load of the
 # unrolled body independent of the others (checked on its PTX, sm_90, K = 128).
 UNROLLED_STEPS = 8
+CP_ASYNC_CG_BYTES = 16  # the one copy size cp.async's .cg (cache in L2 only) takes (PTX ISA, cp.async)
 SHARED_BANKS = 32  # four-byte shared-memory banks (CUDA C++ Programming Guide, compute capability 5.x on)
 SHUFFLE_ROUNDS = int(math.log2(WARP)) + 1  # TVM's warp all-reduce: 5 shfl_down rounds, then one shfl broadcast
 
@@ -475,7 +476,7 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     accumulator_sectors = FRAGMENT * FRAGMENT * 4 // SECTOR_BYTES
     stores = rows * cols // (WARP * tile.store_vector)
     accesses = (*_slice_copies(reduction, (rows, cols), chunks * tile.depth, element, tile.copy_vector,
-                                tile.warp_copies),
+                                tile.warp_copies, tile.copies_async),
                 MemoryAccess("fragments", "load", "shared", warps * steps * (tile.fragments_i + tile.fragments_j),
                              fragment_sectors),
                 MemoryAccess("accumulators", "store", "shared", warps * tile.fragments_i * tile.fragments_j,
@@ -498,13 +499,15 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
 
 
 def _slice_copies(reduction: te.Tensor, extents: tuple[int, int], terms: int, element: int,
-                  vector: int, warp_copies: tuple = ()) -> list[MemoryAccess]:
+                  vector: int, warp_copies: tuple = (), asynchronous: bool = False) -> list[MemoryAccess]:
     """A tensor-core tile's copies of its operands' slices (``extents``: rows, columns; ``terms``
     per row, all chunks), global to shared: ``vector`` elements per store, loaded as the schedule
     found (``TensorCoreTile.warp_copies``: one instruction a vector, or one a lane of it, and the
     sectors each touches), else one coalesced instruction a vector; or one element a lane where
     the operand is gathered (``codegen.schedule.gathered_factors``: a padded convolution's input),
-    whose warp reads 32 consecutive terms of a row, in the sectors the lanes' indices touch."""
+    whose warp reads 32 consecutive terms of a row, in the sectors the lanes' indices touch.
+    ``asynchronous``: copied by ``cp.async``, which TVM prints as ``cp.async.cg`` (L2 only, no
+    pass through L1) for 16 bytes a lane, the only size .cg takes, and as ``.ca`` below it."""
     accesses = []
     for index, (name, extent, gathered) in enumerate(zip(("first operand", "second operand"), extents,
                                                            gathered_factors(reduction))):
@@ -517,7 +520,8 @@ def _slice_copies(reduction: te.Tensor, extents: tuple[int, int], terms: int, el
             loads, sectors = copies * measured.loads, -(-measured.sectors // measured.loads)
         else:
             loads, sectors = copies, WARP * width * element // SECTOR_BYTES
-        accesses += [MemoryAccess(f"{name} slices", "load", "global", loads, sectors),
+        bypasses_l1 = asynchronous and not gathered and width * element == CP_ASYNC_CG_BYTES
+        accesses += [MemoryAccess(f"{name} slices", "load", "global", loads, sectors, through_l1=not bypasses_l1),
                      MemoryAccess(f"{name} slices", "store", "shared", copies,
                                   max(1, WARP * width * element // SECTOR_BYTES))]
     return accesses

@@ -167,6 +167,18 @@ def test_idle_lanes_slow_the_arithmetic():
     assert idle.times["fp"] == pytest.approx(2 * busy.times["fp"])  # 2 blocks x 32 threads fill half of 128 lanes
 
 
+def test_a_cp_async_cg_copy_takes_the_l1_array_once():
+    """A 16-byte cp.async.cg caches in L2 only: its bytes cross the L1/shared array once, as the
+    shared store counted beside its global load, so the load's clocks leave the L1 time."""
+    copy = (MemoryAccess("slices", "load", "global", 64, 16), MemoryAccess("slices", "store", "shared", 64, 16))
+    bypass = (dataclasses.replace(copy[0], through_l1=False), copy[1])
+    through, around = (estimate_stage(_work(accesses=accesses), H100) for accesses in (copy, bypass))
+    tiles_on_sm = 264 // H100.sms
+    assert through.times["l1"] == pytest.approx(tiles_on_sm * 2 * 64 * 4 / H100.clock_hz)
+    assert around.times["l1"] == pytest.approx(through.times["l1"] / 2)
+    assert around.times["l2"] == through.times["l2"] and around.times["latency"] == through.times["latency"]
+
+
 def test_padded_tiles_take_the_time_of_their_flops_and_count_their_useful_ones():
     """A GEMM padded to whole tiles multiplies zeros at full cost: its arithmetic takes the
     issued FLOPs' time, its share of peak counts the useful FLOPs."""

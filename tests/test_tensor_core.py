@@ -332,12 +332,15 @@ def test_the_latency_model_counts_a_gathered_vector_lane_by_lane():
     assert copies["first operand slices", "store"].per_tile == vectors
     assert (copies["second operand slices", "load"].per_tile, copies["second operand slices", "load"].sectors) == \
         (tile.columns * tile.depth // (32 * 4), 8)
+    # loaded into registers, then stored: both pass through the L1/shared array
+    assert all(a.through_l1 for a in work.accesses)
 
 
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
 def test_16_bit_operands_are_copied_16_bytes_at_a_time():
     """One cp.async.cg of 8 halves per lane, where 8-byte copies took two; the latency model counts
-    a copy per 8 elements."""
+    a copy per 8 elements, and its bytes through the L1/shared array once, as they land in shared
+    memory (.cg caches in L2 only)."""
     graph, _, _ = _relu_dense(128, 128, 320)
     model = souffle.compile(graph, target="cuda", device="h100", opt_level=4, precision="fp16")
     (stage,) = [s for s in model.kernel_plan.staged.stages() if s.schedule.tensor_core_tile]
@@ -350,6 +353,7 @@ def test_16_bit_operands_are_copied_16_bytes_at_a_time():
     chunks = -(-320 // tile.depth)
     assert copies["first operand slices", "load"].per_tile == tile.rows * chunks * tile.depth // (32 * 8)
     assert copies["first operand slices", "load"].sectors == 32 * 16 // 32
+    assert [a.through_l1 for a in work.accesses if a.tensor.endswith("slices")] == [False, True, False, True]
 
 
 def _shifted_dense(shift: int):
