@@ -23,6 +23,7 @@ from tvm import te, tirx, topi
 import souffle
 from analysis.threads import WARP_COLLECTIVE
 from analysis.device import H100
+import codegen.schedule
 from codegen.latency import latency_estimate, stage_works
 from codegen.schedule import (MATMUL_MIN_USE, NARROW_MIN_USE, buffer_elements, matmul_stage, pool_offsets, pooled_shared,
                               tensor_core_stages)
@@ -53,11 +54,12 @@ def _dense(m: int, n: int, k: int, dtype: str = "float16"):
 
 def test_a_dense_gets_one_candidate_per_tile_that_fits_it():
     stages = tensor_core_stages(_dense(256, 256, 128))
-    assert [s.box for _, s in stages] == [(128, 128), (64, 128), (64, 64)]
+    assert [s.box for _, s in stages] == [(128, 128), (96, 128), (64, 128), (64, 64)]
     assert [s.tensor_core_tile for _, s in stages] == list(TILES)
     for func, schedule in stages:
         assert schedule.template == "tensor_core" and schedule.threads == 256
-        assert schedule.n_tiles == 256 * 256 // (schedule.box[0] * schedule.box[1])
+        # 96-row tiles: 3 of them a column, the last padded to 288 rows
+        assert schedule.n_tiles == -(-256 // schedule.box[0]) * (256 // schedule.box[1])
         tiles = isl.Map(schedule.tile_relation)
         assert tiles.range().is_equal(isl.Set("{ [i, j] : 0 <= i < 256 and 0 <= j < 256 }"))
         assert tiles.reverse().is_single_valued()  # no element in two tiles
@@ -80,9 +82,10 @@ def test_tensor_cores_are_not_used_where_they_do_not_fit():
     stages = tensor_core_stages(_dense(256, 190, 64))
     assert stages and all(s.tensor_core_tile.store_vector == 1 and s.tensor_core_tile.copy_vector == 4
                           and [c.width for c in s.tensor_core_tile.warp_copies] == [4, 4] for _, s in stages)
-    # 40 rows: 128-row tiles would be a third used; the 64-row ones write boxes of 40 rows
+    # 40 rows: 128- and 96-row tiles would be a third or less used; the 64-row ones write boxes of 40 rows
+    wide = {(tile.rows, tile.columns): tile for tile in TILES}
     assert [(s.tensor_core_tile, s.box) for _, s in tensor_core_stages(_dense(40, 256, 64))] == \
-        [(TILES[1], (40, 128)), (TILES[2], (40, 64))]
+        [(wide[64, 128], (40, 128)), (wide[64, 64], (40, 64))]
     assert tensor_core_stages(_dense(16, 64, 64)) == []  # fewer outputs than one SIMT tile
     assert matmul_stage(_dense(256, 256, 128)) is not None  # the SIMT form stays a candidate
 
@@ -478,6 +481,26 @@ def test_tensor_core_stages_match_numpy_on_emulated_threads(m, n, k, precision):
     graph, inputs, expected = _relu_dense(m, n, k, NARROW[precision])
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
     assert "nvcuda::wmma::mma_sync" in model.source
+    for order in ("ascending", "descending"):
+        (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
+        np.testing.assert_allclose(output, expected, rtol=1e-2, atol=1e-2, err_msg=order)
+
+
+@needs_gxx
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+@pytest.mark.parametrize("precision", NARROW)
+# whole 96-row tiles (paper BERT's FFN GEMMs are 384 rows), and rows padded past the second tile
+@pytest.mark.parametrize("m, n, k", [(192, 256, 320), (100, 128, 128)])
+def test_96_row_tiles_match_numpy_on_emulated_threads(monkeypatch, m, n, k, precision):
+    """The tile of 3 x 2 fragments a warp (96 x 128), which the pinned choice above never reaches
+    while the 128 x 128 tile fits: alone among the wide tiles here, in its cp.async ring."""
+    (tile,) = [t for t in TILES if (t.rows, t.columns) == (96, 128)]
+    monkeypatch.setattr(codegen.schedule, "TILES", (tile,))
+    graph, inputs, expected = _relu_dense(m, n, k, NARROW[precision])
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
+    (stage,) = [s for s in model.kernel_plan.staged.stages() if s.schedule.tensor_core_tile]
+    assert (stage.schedule.tensor_core_tile.rows, stage.schedule.n_tiles) == (96, -(-m // 96) * (n // 128))
+    assert stage.schedule.tensor_core_tile.copies_async
     for order in ("ascending", "descending"):
         (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
         np.testing.assert_allclose(output, expected, rtol=1e-2, atol=1e-2, err_msg=order)

@@ -138,6 +138,9 @@ struct __attribute__((aligned(2))) uchar2 { unsigned char x, y; };
 struct __attribute__((aligned(4))) uchar4 { unsigned char x, y, z, w; };
 struct __attribute__((aligned(8))) uint2 { unsigned x, y; };
 struct __attribute__((aligned(16))) uint4 { unsigned x, y, z, w; };
+// TVM zero-fills a padded 16-byte vector of 16-bit elements as ``make_uint4`` of four packed pairs.
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 // CUDA's max and min of floats are fmaxf and fminf, which return the other operand for a NaN.
 inline float max(float a, float b) { return fmaxf(a, b); }
