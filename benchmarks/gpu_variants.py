@@ -108,6 +108,13 @@ def _unpipelined_gemms() -> list:
             mock.patch.object(schedule, "MATMUL_PIPELINED", False)]
 
 
+def _without_96_row_tiles() -> list:
+    from codegen import schedule
+
+    return [mock.patch.object(schedule, name, tuple(t for t in getattr(schedule, name) if t.rows != 96))
+            for name in ("TILES", "TF32_TILES")]
+
+
 def _two_rows_per_warp() -> list:
     from codegen import schedule
 
@@ -184,6 +191,12 @@ VARIANTS = {
         "ResNeXt's 1x1 convolutions 1.7 us (5x); how much of that wait does loading the next chunk into "
         "registers during this one's arithmetic hide?",
         _unpipelined_gemms),
+    "no-96-row-tiles": Variant(
+        "the wide tensor-core tiles without 96 x 128 (2 x 4 warps of 3 x 2 fragments): paper BERT fp16's FFN "
+        "GEMMs (384 rows) in 72 tiles of 128 x 128 for the H100's 132 SMs, as the third run timed them, not 96 "
+        "of 96 x 128 with 5 fragment loads for 6 products where 128 x 128 has 6 for 8 (H100 model: 5.7-5.8 us "
+        "each against 6.9-7.0); do the SMs filled pay for the fragment loads?",
+        _without_96_row_tiles),
     "two-rows-per-warp": Variant(
         "warp_reduce tiles of two outputs per warp, reduced one after the other (16 per tile, not 8): paper "
         "LSTM's wavefront step is 1280 tiles of 8 gates, two rounds of its 660 blocks, and took 8.3 us on the "

@@ -119,6 +119,21 @@ def test_8_byte_copies_copy_the_16_bit_slices_4_elements_at_a_time():
     assert base.box == narrower.box and narrower.tensor_core_tile.copies_async
 
 
+def test_no_96_row_tiles_leaves_the_other_wide_tiles():
+    from codegen import schedule
+
+    from test_tensor_core import _dense
+
+    def boxes():
+        return [s.box for _, s in schedule.tensor_core_stages(_dense(256, 256, 128))]
+
+    assert boxes() == [(128, 128), (96, 128), (64, 128), (64, 64)]
+    with gpu_variants.applied("no-96-row-tiles"):
+        assert boxes() == [(128, 128), (64, 128), (64, 64)]
+        assert all(tile.rows != 96 for tile in schedule.TF32_TILES)
+    assert boxes() == [(128, 128), (96, 128), (64, 128), (64, 64)]
+
+
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
 def test_dlight_order_keeps_a_pointwise_convolution_as_dlight_orders_it():
     """As the transposed GEMM both operands are copied by cp.async; in dlight's order the input,
