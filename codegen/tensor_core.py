@@ -41,9 +41,10 @@ float32 ones, and printed as CUDA's ``precision::tf32`` (``codegen.tf32``).
 A GEMM whose sizes are not whole tiles is padded as dlight pads it (``pad_einsum``): the rows,
 columns and terms past its edges read as zeros and are not stored (Swin's 196 tokens, ResNeXt's
 14 x 14 and 7 x 7 feature maps). TVM's CUDA lowering puts each padded vector load under a branch,
-which reads nothing past the operand; the terms must be whole copy vectors
-(``TensorCoreTile.copy_vector``, else ``VECTOR``), so that the branch's condition holds for every
-element of the vector or for none. Columns that are not whole vectors of ``VECTOR`` (a 1 x 1
+which reads nothing past the operand; an operand's vectors run along its last dimension (the
+terms, or the columns of a second operand kept in its own order), whose extent must be whole
+vectors of them (``TensorCoreTile.copy_vector``, else ``VECTOR``, each operand its own), so that
+the branch's condition holds for every element of the vector or for none. Columns that are not whole vectors of ``VECTOR`` (a 1 x 1
 convolution over a 7 x 7 map as the transposed GEMM: 49) are stored an element a lane
 (``TensorCoreTile.store_vector``), and an operand whose vectors run along them is copied an
 element a lane, through registers.
@@ -117,8 +118,9 @@ class TensorCoreTile:
     # memory, a ring in which ``async_stages - 1`` chunks are in flight while the warps compute on
     # one. 0: pipelined through registers, one chunk ahead (``pipeline_chunks``).
     async_stages: int = 0
-    # elements per operand copy (``COPY_BYTES`` of the operands' dtype; ``VECTOR`` for a GEMM whose
-    # columns or terms are not whole vectors of that)
+    # elements per operand copy (``COPY_BYTES`` of the operands' dtype; ``VECTOR`` where neither
+    # operand's vectors fit whole in its extent along them; an operand whose vectors do not, where
+    # the other's do, is copied ``VECTOR`` a lane: ``warp_copies`` has each operand's width)
     copy_vector: int = COPY_BYTES // 2
     # each operand's ``WarpCopy`` as ``tensor_core_schedule`` scheduled it (None for one copied under
     # a condition, an element a lane); empty where no schedule measured them. A fact of the GEMM the
@@ -562,16 +564,21 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     # a padded vector would be read or stored in part: the condition must hold for all of it
     if depth % VECTOR:
         return None
-    if columns % tile.copy_vector or depth % tile.copy_vector:
-        tile = dataclasses.replace(tile, copy_vector=VECTOR)
     # where the columns are not whole vectors even of ``VECTOR``, the output tile is stored an
     # element a lane, and so is the second operand copied where its vectors run along the columns
     # (kept in its own order, below): the padding's condition is an element's
-    whole_columns = columns % VECTOR == 0
-    if not whole_columns:
+    if columns % VECTOR:
         tile = dataclasses.replace(tile, store_vector=1)
-    widths = (1 if conditional[0] else tile.copy_vector,
-              1 if conditional[1] or (not trans_b and not whole_columns) else tile.copy_vector)
+    # each operand's vectors run along its own last dimension: the terms, or the columns for a
+    # second operand kept in its own order; each is copied ``copy_vector`` elements a lane where
+    # that extent is whole vectors of it (a 1 x 1 convolution over 14 x 14 as the transposed GEMM:
+    # its weights 8 a lane, its input, 196 columns, 4), else ``VECTOR``, else one
+    along = (depth, depth if trans_b else columns)
+    widths = tuple(1 if gathered else tile.copy_vector if extent % tile.copy_vector == 0
+                   else VECTOR if extent % VECTOR == 0 else 1 for gathered, extent in zip(conditional, along))
+    if all(width < tile.copy_vector for width, gathered in zip(widths, conditional) if not gathered) \
+            and not all(conditional):
+        tile = dataclasses.replace(tile, copy_vector=VECTOR)
     # dlight's padding: rows, columns and terms past the GEMM's read as zeros (a branch around each
     # vector load, whose condition is the same for the vector's elements) and not stored
     sch.pad_einsum(main, [1, tile.rows, tile.columns, tile.depth])
@@ -612,14 +619,16 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     auto_inline_producers(sch, a_shared)
     auto_inline_producers(sch, b_shared)
     vectors = [copy for copy, width in zip((a_shared, b_shared), widths) if width > 1]
-    if tile.copy_vector > VECTOR and not all(_loads_as_vectors(sch, copy, tile.copy_vector) for copy in vectors):
+    if not all(_loads_as_vectors(sch, copy, width) for copy, width in zip((a_shared, b_shared), widths)
+               if width > VECTOR):
         # TVM's CUDA code generator loads a vector it cannot load as one lane by lane, and prints
         # eight 16-bit lanes as code nvcc refuses: ``VECTOR`` elements then
         return tensor_core_schedule(func, dataclasses.replace(tile, copy_vector=VECTOR), threads, min_use, wide_min_use,
                                     swapped)
     # a cp.async moves 4, 8 or 16 bytes: an element a lane goes through registers
     if tile.copies_async and not (vectors == [a_shared, b_shared] and
-                                  all(_copies_whole_vectors(sch, copy, tile.copy_vector) for copy in vectors)):
+                                  all(_copies_whole_vectors(sch, copy, width)
+                                      for copy, width in zip((a_shared, b_shared), widths))):
         tile = dataclasses.replace(tile, async_stages=0)
     tile = dataclasses.replace(tile, warp_copies=tuple(
         None if gathered else _warp_copy(sch, copy, width, tile.copies_async)

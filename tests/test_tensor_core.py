@@ -77,11 +77,12 @@ def test_a_dense_gets_one_candidate_per_tile_that_fits_it():
 def test_tensor_cores_are_not_used_where_they_do_not_fit():
     assert tensor_core_stages(_dense(256, 256, 128, "float32")) == []  # float32 operands: the SIMT rule
     assert tensor_core_stages(_dense(256, 256, 98)) == []  # a padded vector of terms would be read in part
-    # 190 columns, not whole vectors: the output tile is stored an element a lane, the operands'
-    # vectors (along the terms) stay whole, and go through registers (cp.async needs all of a copy's vectors whole)
+    # 190 columns, not whole vectors: the output tile is stored an element a lane; the operands'
+    # vectors run along the terms, whole vectors of 8, and are copied 16 bytes a lane by cp.async
     stages = tensor_core_stages(_dense(256, 190, 64))
-    assert stages and all(s.tensor_core_tile.store_vector == 1 and s.tensor_core_tile.copy_vector == 4
-                          and [c.width for c in s.tensor_core_tile.warp_copies] == [4, 4] for _, s in stages)
+    assert stages and all(s.tensor_core_tile.store_vector == 1 and s.tensor_core_tile.copy_vector == 8
+                          and s.tensor_core_tile.copies_async
+                          and [c.width for c in s.tensor_core_tile.warp_copies] == [8, 8] for _, s in stages)
     # 40 rows: 128- and 96-row tiles would be a third or less used; the 64-row ones write boxes of 40 rows
     wide = {(tile.rows, tile.columns): tile for tile in TILES}
     assert [(s.tensor_core_tile, s.box) for _, s in tensor_core_stages(_dense(40, 256, 64))] == \
@@ -396,11 +397,15 @@ def test_a_pointwise_convolution_is_the_transposed_gemm_with_its_copies_async(or
     """Taken as dlight orders it, each copied vector of the input gathered channels 196 halves
     apart, through registers; as the transposed GEMM (weights first, the input kept [channels,
     hw] like P.V's V) its tiles' rows are output channels and both operands are copied by cp.async,
-    and the output matches PyTorch on emulated threads."""
+    each in its own width: the weights 8 halves a lane (16 bytes, along the 64 channels), the input
+    4 (its 196 columns are not whole vectors of 8); the output matches PyTorch on emulated threads."""
     graph, inputs, expected = _pointwise_conv(64, 48, 14)
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
     (stage,) = [s for s in model.kernel_plan.staged.stages() if s.schedule.tensor_core_tile]
-    assert stage.schedule.tensor_core_tile.copies_async
+    tile = stage.schedule.tensor_core_tile
+    assert tile.copies_async and [copy.width for copy in tile.warp_copies] == [8, 4]
+    # 16 bytes: .cg (its 48 channels' rows padded to 64, each under its predicate); 8 bytes: .ca
+    assert "@p cp.async.cg.shared.global" in model.source and "@p cp.async.ca.shared.global" in model.source
     # a tile holds all 48 output channels at consecutive positions (the transposed GEMM's rows and
     # columns); dlight's order would give it consecutive channels at each position
     first = isl.Map(stage.schedule.tile_relation).intersect_domain(isl.Set("{ [0] }")).range()
@@ -414,8 +419,9 @@ def test_a_pointwise_convolution_over_a_7_x_7_map_is_the_transposed_gemm_copied_
     """A 7 x 7 map is 49 columns of the transposed GEMM, not whole vectors: the input (kept
     [channels, hw]) is copied an element a lane, 32 consecutive halves a warp (2 sectors), and the
     output tile stored an element a lane, where dlight's order gathers each vector of four channels
-    a feature map apart. Where the latency model takes it (paper ResNeXt's layer-4 1 x 1
-    convolutions), it matches PyTorch on emulated threads."""
+    a feature map apart; the weights, along the 64 input channels, 8 halves (16 bytes) a lane.
+    Where the latency model takes it (paper ResNeXt's layer-4 1 x 1 convolutions), it matches
+    PyTorch on emulated threads."""
     graph, inputs, expected = _pointwise_conv(64, 128, 7)
     monkeypatch.setattr("codegen.stage.stage_seconds", lambda stage, device, traffic: not (
         stage.schedule.tensor_core_tile and stage.schedule.tensor_core_tile.store_vector == 1))
@@ -423,7 +429,7 @@ def test_a_pointwise_convolution_over_a_7_x_7_map_is_the_transposed_gemm_copied_
     (stage,) = [s for s in model.kernel_plan.staged.stages() if s.schedule.tensor_core_tile]
     tile = stage.schedule.tensor_core_tile
     assert tile.store_vector == 1 and not tile.copies_async
-    assert tile.warp_copies == (WarpCopy(4, 1, 8), WarpCopy(1, 1, 2))
+    assert tile.warp_copies == (WarpCopy(8, 1, 16), WarpCopy(1, 1, 2))
     (output,) = model.schedule(order, model.emulator.sms, seed=5).run(inputs)
     np.testing.assert_allclose(output.reshape(expected.shape), expected, rtol=1e-2, atol=1e-2)
 
