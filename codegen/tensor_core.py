@@ -44,10 +44,10 @@ columns and terms past its edges read as zeros and are not stored (Swin's 196 to
 which reads nothing past the operand; an operand's vectors run along its last dimension (the
 terms, or the columns of a second operand kept in its own order), whose extent must be whole
 vectors of them (``TensorCoreTile.copy_vector``, else ``VECTOR``, each operand its own), so that
-the branch's condition holds for every element of the vector or for none. Columns that are not whole vectors of ``VECTOR`` (a 1 x 1
-convolution over a 7 x 7 map as the transposed GEMM: 49) are stored an element a lane
-(``TensorCoreTile.store_vector``), and an operand whose vectors run along them is copied an
-element a lane, through registers.
+the branch's condition holds for every element of the vector or for none. Columns that are not
+whole vectors of ``VECTOR`` (a 1 x 1 convolution over a 7 x 7 map as the transposed GEMM: 49) are
+stored an element a lane (``TensorCoreTile.store_vector``), and an operand whose vectors run along
+them is copied an element a lane, through registers.
 
 Left out: dlight's pipeline of the fragments' loads within a chunk (a third stage, two copies of
 every fragment: registers the 128 x 128 tiles do not have).
