@@ -618,7 +618,6 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     a_shared, b_shared = stage_in_shared(0), stage_in_shared(1)
     auto_inline_producers(sch, a_shared)
     auto_inline_producers(sch, b_shared)
-    vectors = [copy for copy, width in zip((a_shared, b_shared), widths) if width > 1]
     if not all(_loads_as_vectors(sch, copy, width) for copy, width in zip((a_shared, b_shared), widths)
                if width > VECTOR):
         # TVM's CUDA code generator loads a vector it cannot load as one lane by lane, and prints
@@ -626,9 +625,8 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         return tensor_core_schedule(func, dataclasses.replace(tile, copy_vector=VECTOR), threads, min_use, wide_min_use,
                                     swapped)
     # a cp.async moves 4, 8 or 16 bytes: an element a lane goes through registers
-    if tile.copies_async and not (vectors == [a_shared, b_shared] and
-                                  all(_copies_whole_vectors(sch, copy, width)
-                                      for copy, width in zip((a_shared, b_shared), widths))):
+    if tile.copies_async and not (min(widths) > 1 and all(_copies_whole_vectors(sch, copy, width)
+                                                          for copy, width in zip((a_shared, b_shared), widths))):
         tile = dataclasses.replace(tile, async_stages=0)
     tile = dataclasses.replace(tile, warp_copies=tuple(
         None if gathered else _warp_copy(sch, copy, width, tile.copies_async)
