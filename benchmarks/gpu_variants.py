@@ -115,6 +115,12 @@ def _without_96_row_tiles() -> list:
             for name in ("TILES", "TF32_TILES")]
 
 
+def _unaligned_tiles() -> list:
+    from codegen import pipelines
+
+    return [mock.patch.object(pipelines, "align_tiles", lambda staged, _device: (staged, []))]
+
+
 def _two_rows_per_warp() -> list:
     from codegen import schedule
 
@@ -197,6 +203,13 @@ VARIANTS = {
         "of 96 x 128 with 5 fragment loads for 6 products where 128 x 128 has 6 for 8 (H100 model: 5.7-5.8 us "
         "each against 6.9-7.0); do the SMs filled pay for the fragment loads?",
         _without_96_row_tiles),
+    "no-aligned-tiles": Variant(
+        "each softmax a warp a row in tiles of 8 rows, with a grid barrier before the product that reads it, not "
+        "tiled like that product (codegen.align_tiles: paper BERT fp16's softmax in 72 tiles of 64 rows, 8 a warp, "
+        "each the rows of one P.V tile, so the two run in the same block after a __syncthreads and 12 of its 109 "
+        "grid barriers go); are the barriers worth more than the softmax's longer tiles (H100 model: 2.11 -> 3.07 "
+        "us a run alone, against 1.13 us a barrier)?",
+        _unaligned_tiles),
     "two-rows-per-warp": Variant(
         "warp_reduce tiles of two outputs per warp, reduced one after the other (16 per tile, not 8): paper "
         "LSTM's wavefront step is 1280 tiles of 8 gates, two rounds of its 660 blocks, and took 8.3 us on the "

@@ -23,6 +23,7 @@ from functools import partial
 
 from analysis.threads import device_functions, validate_kernels
 from codegen import validation_cache
+from codegen.align_tiles import align_tiles
 from codegen.arena import plan_arena
 from codegen.barriers import place_barriers
 from codegen.cpu_transforms import hoist_scan_projections, pack_weights
@@ -138,6 +139,8 @@ CUDA = Pipeline("cuda", GRAPH, (
     *TRANSFORMS,
     Pass("fuse_epilogues", lambda program, o: fuse_epilogues(program, True, o.threads), TE, from_level=3),
     Pass("stage", lambda program, o: _gpu_stages(program, o), STAGED, section="database"),
+    Pass("align_tiles", lambda staged, o: Outcome(*align_tiles(staged, o.device)), STAGED, from_level=4,
+         section="transform"),
     *SYNCHRONIZATION,
     Pass("kernel_plan", lambda staged, _: kernel_plan(staged), TIR),
     Pass("cuda_source", lambda plan, o: _source(plan, o.device.arch), CUDA_SOURCE),

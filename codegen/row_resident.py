@@ -33,16 +33,20 @@ from codegen.schedule import (SAME_ELEMENTS_AXIS_MAX, WARP, ScheduleError, Stage
 
 
 def schedule_row_resident(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool,
-                          threads: int) -> tuple[tirx.PrimFunc, StageSchedule]:
+                          threads: int, rows_per_warp: int = 1) -> tuple[tirx.PrimFunc, StageSchedule]:
     """``row_resident_stage`` for a staged output TE over ``placeholders`` (``codegen.stage.isolate_fused``)."""
-    return row_resident_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads)
+    return row_resident_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, rows_per_warp)
 
 
-def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int) -> tuple[tirx.PrimFunc, StageSchedule]:
+def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
+                       rows_per_warp: int = 1) -> tuple[tirx.PrimFunc, StageSchedule]:
     """Schedule ``func``: reductions over the rows of its last block's output (the statistics,
-    producers first) and that element-wise output, which reads them. Raises ``ScheduleError``
-    where the stage is not of that shape: a statistic whose reduction is not along a whole row,
-    one that recomputes other rows', or one TVM cannot split across a warp's lanes."""
+    producers first) and that element-wise output, which reads them. Each warp takes
+    ``rows_per_warp`` consecutive rows, one after the other (``codegen.align_tiles`` gives a
+    softmax the tiles of the product that reads it). Raises ``ScheduleError`` where the stage
+    is not of that shape: a statistic whose reduction is not along a whole row, one that
+    recomputes other rows', one TVM cannot split across a warp's lanes, or several rows a warp
+    whose tile does not divide the last row axis."""
     sch = s_tir.Schedule(func)
     *statistics, output = sch.get_child_blocks(sch.get_sblock("root"))
     if not statistics:
@@ -59,15 +63,27 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int) -> tuple[ti
             raise ScheduleError(f"block {sch.get(block).name_hint}: TVM cannot reduce it across a warp's lanes")
     cached = _cached_reads(sch, statistics, output) if gpu and width % WARP == 0 else []
     loops = sch.get_loops(output)
-    rows = outer_loop(sch, loops[:-1], loops, output)
-    n_rows = loop_extent(sch, rows)
+    n_rows = product_of(loop_extent(sch, loop) for loop in loops[:-1])
     warps = threads // WARP
-    tile, warp = sch.split(rows, [None, warps])
+    if rows_per_warp > 1:
+        # the last row axis split first, then the tile fused: split after fusing, the rows of a
+        # 3-D tensor were bound as (t // 6, (t * 64 + ...) % 384), which TVM's bind of the
+        # lanes no longer saw as affine
+        *leading, last = loops[:-1]
+        if loop_extent(sch, last) % (warps * rows_per_warp):
+            raise ScheduleError(f"block {sch.get(output).name_hint}: tiles of {warps * rows_per_warp} rows do not "
+                                f"divide its last row axis ({loop_extent(sch, last)})")
+        outer, warp, row = sch.split(last, [None, warps, rows_per_warp])
+        tile = sch.fuse(*leading, outer) if leading else outer
+    else:
+        tile, warp = sch.split(outer_loop(sch, loops[:-1], loops, output), [None, warps])
+        row = warp
+    depth = 3 if rows_per_warp > 1 else 2  # the loops a row's blocks are computed under: tile, warp (, row)
     _, lane = sch.split(sch.get_loops(output)[-1], [None, WARP])
     for block in reversed(statistics):
-        sch.compute_at(block, warp)
+        sch.compute_at(block, row)
     for block in statistics:
-        own = sch.get_loops(block)[2:]
+        own = sch.get_loops(block)[depth:]
         kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
         spatial = own[:len(own) - kinds.count(tirx.IterVar.CommReduce)]
         per_row = product_of(loop_extent(sch, loop) for loop in spatial)
@@ -91,8 +107,8 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int) -> tuple[ti
     caches = []
     for index in cached:
         cache = sch.cache_read(statistics[0], index, "local", consumer_blocks=[*statistics, output])
-        sch.compute_at(cache, warp)
-        if product_of(loop_extent(sch, loop) for loop in sch.get_loops(cache)[2:]) != width:
+        sch.compute_at(cache, row)
+        if product_of(loop_extent(sch, loop) for loop in sch.get_loops(cache)[depth:]) != width:
             raise ScheduleError(f"block {sch.get(output).name_hint}: a warp's blocks read more than one row of "
                                 f"{sch.get(cache).reads[0].source.name}")
         _, cache_lane = sch.split(sch.get_loops(cache)[-1], [None, WARP])
@@ -104,13 +120,13 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int) -> tuple[ti
         sch.bind(warp, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
     scheduled = _thread_private(sch.mod["main"], caches)
-    n_tiles = -(-n_rows // warps)
+    n_tiles = -(-n_rows // (warps * rows_per_warp))
     if gpu and n_tiles == 1:
         # a single tile's statistics are indexed without the tile (like a single tile's epilogue,
         # ``codegen.schedule.schedule_stage``): simplified, each thread keeps its own row's, not
         # an array of the tile's rows
         scheduled = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": scheduled}))["main"]
-    return scheduled, StageSchedule("warp_reduce", n_tiles, warps * width, threads, n_rows * width, 0)
+    return scheduled, StageSchedule("warp_reduce", n_tiles, warps * rows_per_warp * width, threads, n_rows * width, 0)
 
 
 def statistics_of(tensor: te.Tensor) -> list[te.Tensor]:

@@ -30,14 +30,18 @@ def _mlp():
 def test_every_target_has_one_declared_pipeline():
     assert list(PIPELINES) == ["llvm", "cuda", "llvm-persistent", "cuda-emulated"]
     assert LLVM.names == ["precision", "hoist_scan_projections", "pack_weights", "lower", "stitch", "build"]
-    persistent = ["wavefront", "precision", "horizontal", "scale_past_matmul", "split_k", "lower", "vertical",
-                  "fuse_epilogues", "stage", "kernel_per_stage", "global_sync", "place_barriers", "partition", "keep_weights_on_chip", "plan_arena"]
-    assert CUDA.names == persistent + ["kernel_plan", "cuda_source", "validate_threads", "nvcc", "co_residency"]
-    assert LLVM_PERSISTENT.names == persistent + ["staged_function", "build"]
+    front = ["wavefront", "precision", "horizontal", "scale_past_matmul", "split_k", "lower", "vertical",
+             "fuse_epilogues", "stage"]
+    synchronization = ["kernel_per_stage", "global_sync", "place_barriers", "partition", "keep_weights_on_chip",
+                       "plan_arena"]
+    # the tiles are aligned for a GPU's latency model only: the CPU runs the stages as they are
+    assert CUDA.names == front + ["align_tiles"] + synchronization + ["kernel_plan", "cuda_source",
+                                                                       "validate_threads", "nvcc", "co_residency"]
+    assert LLVM_PERSISTENT.names == front + synchronization + ["staged_function", "build"]
     assert CUDA_EMULATED.names == CUDA.names + ["emulated_build"]
     levels = {p.name: p.from_level for p in CUDA.passes if p.from_level}
     assert levels == {"wavefront": 1, "horizontal": 1, "scale_past_matmul": 2, "split_k": 4, "vertical": 2, "fuse_epilogues": 3, "global_sync": 3,
-                      "partition": 3, "place_barriers": 4, "keep_weights_on_chip": 4}
+                      "align_tiles": 4, "partition": 3, "place_barriers": 4, "keep_weights_on_chip": 4}
 
 
 def _toy(log: list) -> Pipeline:

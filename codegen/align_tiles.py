@@ -1,0 +1,120 @@
+"""The ``align_tiles`` pass (O4): a row-resident stage tiled like the stage that reads it, so that
+no grid barrier separates them.
+
+``codegen.barriers`` leaves out the grid barrier before a stage whose every tile reads only what
+the same-numbered tile of the writer wrote (tile ``t`` runs on block ``t mod grid`` in every
+stage). A softmax is scheduled a warp a row, 8 rows a tile; the batched product that reads it
+(attention's P.V) takes 64 whole rows of it a tile: paper BERT's P.V is 72 tiles of 64 x 64, one
+head's 64 rows each, and its softmax 576 tiles, so every P.V tile reads the rows of 8 softmax
+tiles run by 8 other blocks, and a grid barrier goes between them in every layer. With 8 rows a
+warp, one after the other, the softmax is 72 tiles of 64 rows, tile ``t`` the rows P.V's tile
+``t`` reads: the two run in the same block, after a ``__syncthreads``.
+
+Fewer, longer tiles can cost more than the barriers they save (each warp's rows are a chain, and
+fewer blocks work), and another stage between the two may need a barrier before the reader
+anyway (a cast of its other operand). So the barriers are placed with and without the aligned
+stage (``codegen.barriers.place_barriers``, every run of a loop counted), and the latency model
+prices the difference: the aligned stage alone against the stage as it was, times its runs,
+against the grid barriers saved, each of a block per SM (the cheapest a kernel's grid makes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tvm_ffi import structural_equal
+
+from analysis.device import DeviceModel
+from codegen.barriers import place_barriers, same_block
+from codegen.latency import stage_seconds
+from codegen.row_resident import schedule_row_resident
+from codegen.schedule import WARP, ScheduleError
+from codegen.staged import Loop, Stage, StagedProgram
+
+
+def align_tiles(staged: StagedProgram, device: DeviceModel) -> tuple[StagedProgram, list[str]]:
+    """``staged`` with each row-resident stage tiled like the stage that reads it where that saves
+    grid barriers the latency model prices above what the stage loses (``codegen.align_tiles``),
+    and a note per stage it aligned or kept; ``staged`` itself is not changed."""
+    notes: list[str] = []
+    barrier = device.grid_sync_seconds(device.sms)
+    for stage, reader, executions in _candidates(staged.items, 1):
+        aligned = _aligned_with(stage, reader)
+        if aligned is None:
+            continue
+        trial = staged.with_items(_replaced(staged.items, stage, aligned))
+        saved = place_barriers(staged).barrier_count(True) - place_barriers(trial).barrier_count(True)
+        before, after = stage_seconds(stage, device), stage_seconds(aligned, device)
+        warps = aligned.schedule.threads // WARP
+        rows = aligned.schedule.per_tile // (warps * int(stage.tensor.shape[-1]))
+        what = (f"{stage.name}: {rows} rows a warp, {aligned.schedule.n_tiles} tiles of {warps * rows} rows, "
+                f"each the rows tile t of {reader.name} reads")
+        if saved <= 0:
+            notes.append(f"{what}, not taken: a grid barrier would still precede {reader.name}")
+            continue
+        lost = (after - before) * executions
+        if lost >= saved * barrier:
+            notes.append(f"{what}, not taken: {after * 1e6:.2f} us against {before * 1e6:.2f} us as it is "
+                         f"({_counted(executions, 'run')}), more than the {_counted(saved, 'grid barrier')} it would save "
+                         f"({barrier * 1e6:.2f} us each on {device.name})")
+            continue
+        notes.append(f"{what}: {_counted(saved, 'grid barrier')} fewer ({device.name}: {before * 1e6:.2f} -> "
+                     f"{after * 1e6:.2f} us a run, {_counted(executions, 'run')}; a barrier {barrier * 1e6:.2f} us)")
+        staged = trial
+    return staged, notes
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' if count != 1 else ''}"
+
+
+def _candidates(items: list, executions: int):
+    """(row-resident stage, the first stage after it in the same list that reads its output,
+    the stage's runs per inference), loop bodies included."""
+    for k, item in enumerate(items):
+        if isinstance(item, Loop):
+            yield from _candidates(item.items, executions * item.trips)
+        elif isinstance(item, Stage) and item.epilogue == "row":
+            for later in items[k + 1:]:
+                if isinstance(later, Loop):
+                    break
+                if any(_same_ref(ref, item.write) for ref in later.reads):
+                    yield item, later, executions
+                    break
+
+
+def _replaced(items: list, old: Stage, new: Stage) -> list:
+    return [dataclasses.replace(item, items=_replaced(item.items, old, new)) if isinstance(item, Loop)
+            else new if item is old else item for item in items]
+
+
+def _aligned_with(stage: Stage, reader: Stage) -> Stage | None:
+    """``stage`` (a row-resident stage, a warp a row) in tiles of the rows ``reader``'s tile t
+    reads, where each of ``reader``'s tiles reads its own rows (``same_block``); else None."""
+    if reader.schedule.tile_relation is None:
+        return None
+    read = [k for k, ref in enumerate(reader.reads) if _same_ref(ref, stage.write)]
+    warps = stage.schedule.threads // WARP
+    width = int(stage.tensor.shape[-1])
+    rows = stage.schedule.outputs // width
+    if len(read) != 1 or stage.schedule.per_tile != warps * width or rows % (warps * reader.schedule.n_tiles):
+        return None
+    rows_per_warp = rows // (warps * reader.schedule.n_tiles)
+    if rows_per_warp < 2:
+        return None
+    try:
+        func, schedule = schedule_row_resident(stage.tensor, stage.placeholders, True, stage.schedule.threads,
+                                               rows_per_warp)
+    except ScheduleError:
+        return None
+    aligned = dataclasses.replace(stage, func=func, schedule=schedule)
+    return aligned if same_block(reader, reader.placeholders[read[0]], aligned) else None
+
+
+def _same_ref(a, b) -> bool:
+    """Whether two buffer references are the same place: one buffer, one offset."""
+    if not a.base.same_as(b.base):
+        return False
+    if isinstance(a.offset, int) or isinstance(b.offset, int):
+        return a.offset == b.offset
+    return structural_equal(a.offset, b.offset)

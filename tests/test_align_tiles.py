@@ -1,0 +1,176 @@
+"""The ``align_tiles`` pass (codegen.align_tiles): a softmax tiled like the batched product that
+reads it, so that the two run in the same block with no grid barrier between them.
+
+Built on attention's core at fp16, softmax(S) . V over 2 heads of 128 x 128 scores and 64 values:
+the product is 4 tensor-core tiles of 64 x 64, one head's 64 rows each, and the softmax, a warp
+a row, 32 tiles of 8 rows. Checked: where the latency model finds a grid barrier dearer than
+the longer softmax, the softmax becomes 4 tiles of 64 rows (8 a warp) and the product follows it
+after a ``__syncthreads``, not a grid barrier; where it does not, nothing changes and the note
+says why; the aligned kernel matches PyTorch on emulated threads in both thread orders; and the
+validator refuses it without that ``__syncthreads``.
+"""
+
+import dataclasses
+import importlib
+import re
+
+import numpy as np
+import pytest
+import torch
+from tvm import tirx
+
+import souffle
+from analysis import device as devices
+from analysis import threads
+from codegen.row_resident import row_resident_stage
+from codegen.schedule import ScheduleError, THREADS, WARP
+from souffle.compiler import run_passes
+from souffle.graph import GraphBuilder
+
+mutants = importlib.import_module("scripts.validate_mutants")
+
+HEADS, ROWS, VALUES = 2, 128, 64
+SOFTMAX, PRODUCT = "T_softmax_maxelem+T_softmax_expsum+softmax_1", "T_batch_matmul_NN+batch_matmul_2"
+
+
+def _attention():
+    """softmax(scores) . values, the values a weight (converted to fp16 at compile time: as an
+    input, its cast would be a stage between the two, with a grid barrier of its own before the
+    product); the graph, inputs and PyTorch's fp16 answer."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("attention")
+    scores = b.input("scores", (HEADS, ROWS, ROWS))
+    values = b.param("values", rng.standard_normal((HEADS, ROWS, VALUES)).astype("float32"))
+    graph = b.build(b.op("batch_matmul", b.op("softmax", scores), values))
+    inputs = {"scores": rng.standard_normal((HEADS, ROWS, ROWS)).astype("float32") * 2}
+    half_scores = torch.from_numpy(inputs["scores"]).half().float()
+    half_values = torch.from_numpy(graph.weights["values"].copy()).half().float()
+    expected = torch.bmm(torch.softmax(half_scores, -1).half().float(), half_values)
+    return graph, inputs, expected.numpy()
+
+
+@pytest.fixture
+def dear_barriers(monkeypatch):
+    """The H200 model with a grid barrier of 20 us, which no softmax of these sizes costs."""
+    monkeypatch.setitem(devices._GPUS, "h200", dataclasses.replace(devices.get_device("h200"),
+                                                                    grid_sync_base_seconds=20e-6))
+
+
+def _stages(staged) -> dict:
+    return {s.name.split("/")[-1]: s for s in staged.stages()}
+
+
+def _notes(result) -> list[str]:
+    """What ``align_tiles`` said."""
+    return [note.removeprefix("align_tiles: ") for note in result.notes("transform", prefixed=True)
+            if note.startswith("align_tiles: ")]
+
+
+def _aligned_plan():
+    return run_passes(_attention()[0], "cuda", stop="plan_arena", opt_level=4, precision="fp16")
+
+
+def test_a_softmax_takes_the_rows_of_the_product_s_tiles_where_a_barrier_costs_more(dear_barriers):
+    result = _aligned_plan()
+    stages = _stages(result.ir)
+    softmax, product = stages[SOFTMAX], stages[PRODUCT]
+    assert product.schedule.template == "tensor_core" and product.schedule.n_tiles == HEADS * ROWS // 64
+    warps = THREADS // WARP
+    assert (softmax.schedule.n_tiles, softmax.schedule.per_tile) == (product.schedule.n_tiles, warps * 8 * ROWS)
+    assert product.barrier is None and product.block_barrier is not None
+    (note,) = _notes(result)
+    assert note.startswith(f"attention_r0/{SOFTMAX}: 8 rows a warp, 4 tiles of 64 rows, each the rows tile t of "
+                           f"attention_r0/{PRODUCT} reads: 1 grid barrier fewer (h200: ")
+
+
+def test_where_the_softmax_would_cost_more_than_the_barrier_nothing_changes():
+    result = _aligned_plan()
+    stages = _stages(result.ir)
+    assert stages[SOFTMAX].schedule.n_tiles == HEADS * ROWS // (THREADS // WARP)
+    assert stages[PRODUCT].barrier is not None
+    (note,) = _notes(result)
+    assert re.search(r", not taken: [\d.]+ us against [\d.]+ us as it is \(1 run\), more than the 1 grid barrier "
+                     r"it would save \([\d.]+ us each on h200\)$", note), note
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_the_aligned_kernel_matches_torch_on_emulated_threads(dear_barriers, order):
+    graph, inputs, expected = _attention()
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+    assert _stages(model.plan)[PRODUCT].barrier is None
+    (got,) = model.schedule(order).run(inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_the_validator_refuses_the_aligned_kernel_without_its_syncthreads(dear_barriers, monkeypatch):
+    """The product's reads of P (its first slices' cp.async copies) are ordered after the
+    softmax's writes by the ``__syncthreads`` between the stages and by the one that opens the
+    product's tile (which also orders the tile's copies after the last tile's reads of the same
+    shared memory): without the first the kernel is accepted, without both the validator finds
+    the race on P between the block's warps (among the others: every violation reported)."""
+    monkeypatch.setattr(threads, "REPORTED", 10_000)
+    plan = run_passes(_attention()[0], "cuda", stop="kernel_plan", opt_level=4, precision="fp16").ir
+    (kernel,) = [mutants.Kernel("aligned", name, func, {}, 1, plan.staged.threads)
+                 for name, func in mutants.device_functions(mutants.device_module(plan.funcs, "sm_90")).items()]
+    assert mutants.validate(kernel).violations == ()
+    softmax, product = mutants.tile_loops(kernel.func)[:2]
+    statements = list(mutants.statements(kernel.func.body))
+
+    def place(statement) -> int:
+        return next(k for k, s in enumerate(statements) if s.same_as(statement))
+
+    syncs = [s for s in statements if mutants.is_barrier(s, "tirx.tvm_storage_sync")]
+    (between,) = [s for s in syncs if place(softmax) < place(s) < place(product)]
+    opening = min((s for s in syncs if place(s) > place(product)), key=place)
+
+    def without(*dropped):
+        nothing = tirx.Evaluate(tirx.const(0, "int32"))
+        body = mutants.rewrite(kernel.func.body, lambda s: nothing if any(s.same_as(d) for d in dropped) else s)
+        return mutants.validate(kernel, kernel.func.with_body(body)).violations
+
+    assert without(between) == ()
+    caught = without(between, opening)
+    assert any(v.startswith("stage 0 (writes compute) / stage 1 (writes compute): ") and "(same block" in v
+               and "write and read global compute[" in v and "/ compute_in[" in v and "with no __syncthreads" in v
+               for v in caught), caught
+
+
+def test_several_rows_a_warp_need_tiles_that_divide_the_last_row_axis():
+    from tvm import te
+
+    x = te.placeholder((3, 40, 64), name="x")
+    r = te.reduce_axis((0, 64), "r")
+    total = te.compute((3, 40), lambda i, j: te.sum(x[i, j, r], axis=r), name="total")
+    y = te.compute((3, 40, 64), lambda i, j, k: x[i, j, k] / total[i, j], name="y")
+    func = te.create_prim_func([x, y])
+    _, schedule = row_resident_stage(func, True, THREADS, 5)  # 40 rows: one tile of 8 warps x 5
+    assert (schedule.n_tiles, schedule.per_tile) == (3, 40 * 64)
+    with pytest.raises(ScheduleError, match="tiles of 16 rows do not divide its last row axis \\(40\\)"):
+        row_resident_stage(func, True, THREADS, 2)
+
+
+def test_the_no_aligned_tiles_variant_keeps_the_softmax_a_warp_a_row(dear_barriers):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_variants
+
+    with gpu_variants.applied("no-aligned-tiles"):
+        result = _aligned_plan()
+    stages = _stages(result.ir)
+    assert stages[SOFTMAX].schedule.n_tiles == HEADS * ROWS // (THREADS // WARP)
+    assert stages[PRODUCT].barrier is not None and _notes(result) == []
+    assert _stages(_aligned_plan().ir)[PRODUCT].barrier is None
+
+
+def test_bert_with_its_softmax_aligned_matches_torch_on_emulated_threads(dear_barriers, capsys):
+    """A BERT of two layers of 2 heads over 128 tokens at fp16: each layer's softmax goes with its
+    P.V (the attention mask, the scale and the casts around them), threads in descending order."""
+    from souffle.cli import main
+
+    config = '{"layers": 2, "hidden": 128, "heads": 2, "ffn": 128, "seq": 128, "max_positions": 128}'
+    assert main(["compile", "bert", "--config", config, "--target", "cuda-emulated", "--precision", "fp16",
+                 "--check", "--thread-order", "descending"]) == 0
+    out = capsys.readouterr().out
+    assert ": 2 grid barriers fewer (h200: " in out and "check          PASS" in out, out
