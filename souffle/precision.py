@@ -25,6 +25,8 @@ Integer tensors (token ids, masks given as integers) are left alone.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from souffle import recipe
@@ -60,7 +62,8 @@ def with_precision(graph: Graph, precision: str) -> tuple[Graph, list[str]]:
     # inside the model, a float input or output is the tensor of its name and the precision
     inner = {n: f"{n}.{precision}" for n in float_inputs + float_outputs}
     entry = [Op("cast", (n,), (inner[n],), {"dtype": dtype}) for n in float_inputs]
-    ops = _retyped(graph.ops, dtype, lambda n: inner.get(n, n))
+    saturated: list[str] = []
+    ops = _retyped(graph.ops, dtype, lambda n: inner.get(n, n), saturated)
     exits = [Op("cast", (inner[n],), (n,), {"dtype": "float32"}) for n in float_outputs]
     converted = Graph(graph.name, graph.inputs, [_narrowed(s, dtype) for s in graph.params.values()],
                       entry + ops + exits, graph.outputs,
@@ -71,6 +74,10 @@ def with_precision(graph: Graph, precision: str) -> tuple[Graph, list[str]]:
              f"{len(entry)} float32 inputs and {len(exits)} outputs cast at the model's edge",
              "GEMM-shaped ops accumulate in float32; softmax, norms, reductions and transcendental "
              "functions compute in float32"]
+    if saturated:
+        notes.append(f"float32 constants beyond {dtype}'s range made its largest finite value, "
+                     f"+-{largest_finite(dtype):g}, as torch.finfo({dtype}).min stands for float32's in a model "
+                     f"run in {dtype} (an attention mask's): {', '.join(saturated)}")
     return converted, notes
 
 
@@ -78,28 +85,34 @@ def _narrowed(spec: TensorSpec, dtype: str) -> TensorSpec:
     return TensorSpec(spec.name, spec.shape, dtype) if spec.dtype == "float32" else spec
 
 
-def _retyped(ops, dtype: str, name) -> list:
+def _retyped(ops, dtype: str, name, saturated: list[str]) -> list:
     """``ops`` reading and writing ``name(n)``, casts to float32 and float32 constants made
-    ``dtype``, scan bodies computing in ``dtype``."""
+    ``dtype``, scan bodies computing in ``dtype``. A finite constant beyond ``dtype``'s range
+    (``torch.finfo(torch.float32).min``, Hugging Face BERT's masked score) becomes its largest
+    finite value of that sign, named in ``saturated``: rounded, it would be an infinity."""
     retyped = []
     for op in ops:
         if isinstance(op, Scan):
-            retyped.append(_converted_scan(op, dtype, name))
+            retyped.append(_converted_scan(op, dtype, name, saturated))
             continue
         attrs = dict(op.attrs)
         if op.kind in ("cast", "full") and attrs.get("dtype", "float32") == "float32":
             attrs["dtype"] = dtype
+            value = attrs.get("value", 0.0)
+            if op.kind == "full" and math.isfinite(value) and abs(value) > largest_finite(dtype):
+                attrs["value"] = math.copysign(largest_finite(dtype), value)
+                saturated.append(op.outputs[0])
         retyped.append(Op(op.kind, tuple(map(name, op.inputs)), tuple(map(name, op.outputs)), attrs))
     return retyped
 
 
-def _converted_scan(scan: Scan, dtype: str, name) -> Scan:
+def _converted_scan(scan: Scan, dtype: str, name, saturated: list[str]) -> Scan:
     """A scan whose body computes in ``dtype``: its float inputs, parameters and outputs are
     the outer graph's inner tensors, so the body keeps its names and converts no edge."""
     body = scan.body
     converted = Graph(body.name, [_narrowed(s, dtype) for s in body.inputs],
                       [_narrowed(s, dtype) for s in body.params.values()],
-                      _retyped(body.ops, dtype, lambda n: n), body.outputs)
+                      _retyped(body.ops, dtype, lambda n: n, saturated), body.outputs)
     return Scan(scan.name, converted, scan.length,
                 tuple((i, o, name(init), name(final)) for i, o, init, final in scan.carry),
                 tuple((i, name(outer)) for i, outer in scan.xs),

@@ -241,6 +241,21 @@ def test_command_line_fp16_check_compares_with_autocast_at_its_tolerance(capsys)
     assert "precision: 39 float32 weights converted to float16 at compile time" in out
 
 
+@pytest.mark.parametrize("precision,largest", [("fp16", "65504"), ("bf16", "3.38953e+38")])
+def test_a_masked_bert_s_masked_score_saturates_at_the_narrow_type_s_largest(precision, largest, capsys):
+    """Hugging Face's masked score is torch.finfo(torch.float32).min: rounded to float16 it is an
+    infinity, and TVM refused the constant outright (a stack dump from the model's ``full``). It
+    becomes float16's -65504 (bfloat16's own largest, just under float32's), as a model run in
+    that dtype masks with torch.finfo(dtype).min, and the masked model matches PyTorch."""
+    config = '{"attention_mask": "int64", "batch": 2}'
+    assert main(["compile", "bert", "--config", config, "--precision", precision, "--check", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"float32 constants beyond {PRECISIONS[precision]}'s range made its largest finite value, +-{largest}, " \
+           f"as torch.finfo({PRECISIONS[precision]}).min stands for float32's in a model run in " \
+           f"{PRECISIONS[precision]} (an attention mask's): mask_drop" in out
+    assert "check          PASS" in out
+
+
 def test_command_line_tf32_on_the_cpu_computes_float32_and_says_so(capsys):
     assert main(["compile", "bert", "--precision", "tf32", "--check", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
