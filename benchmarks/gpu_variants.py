@@ -204,11 +204,12 @@ VARIANTS = {
         "each against 6.9-7.0); do the SMs filled pay for the fragment loads?",
         _without_96_row_tiles),
     "no-aligned-tiles": Variant(
-        "each softmax a warp a row in tiles of 8 rows, with a grid barrier before the product that reads it, not "
-        "tiled like that product (codegen.align_tiles: paper BERT fp16's softmax in 72 tiles of 64 rows, 8 a warp, "
-        "each the rows of one P.V tile, so the two run in the same block after a __syncthreads and 12 of its 109 "
-        "grid barriers go); are the barriers worth more than the softmax's longer tiles (H100 model: 2.11 -> 3.07 "
-        "us a run alone, against 1.13 us a barrier)?",
+        "each softmax a warp a row in tiles of 8 rows and its scores in the tile the model picks alone, with a grid "
+        "barrier on either side of the softmax, not tiled like the product that reads it (codegen.align_tiles: "
+        "paper BERT fp16's softmax in 72 tiles of 64 rows, 8 a warp, each the rows of one P.V tile, and its scores "
+        "in 72 tiles of 64 whole rows, so the three run in the same block after __syncthreads and 24 of its 109 "
+        "grid barriers go); are the barriers worth more than the longer tiles (H100 model: 3.52 -> 3.99 us a "
+        "layer for the two stages alone, against 1.13 us a barrier)?",
         _unaligned_tiles),
     "two-rows-per-warp": Variant(
         "warp_reduce tiles of two outputs per warp, reduced one after the other (16 per tile, not 8): paper "

@@ -349,9 +349,10 @@ def _row_accesses(stage: Stage, tile: int, holders: dict) -> tuple:
     tensor its blocks read ``width / WARP`` times a lane (consecutive lanes on consecutive
     columns), reduces each of its row's statistics with a round of shuffles apiece, and stores
     its row. One trip to memory for the row, one more for what only the output reads (a
-    LayerNorm's weight and bias). A warp of several rows takes them one after the other, each
-    row's chain after the last's. Returns (accesses, active threads, memory steps, on-chip
-    steps, block barriers)."""
+    LayerNorm's weight and bias). A warp of several rows loads them ``rows_together`` at a time,
+    then reduces and stores them one after the other: one more trip a row for what only the
+    output reads, and every row's shuffles. Returns (accesses,
+    active threads, memory steps, on-chip steps, block barriers)."""
     schedule = stage.schedule
     warps = schedule.threads // WARP
     width = int(stage.tensor.shape[-1])
@@ -378,7 +379,8 @@ def _row_accesses(stage: Stage, tile: int, holders: dict) -> tuple:
     row_reads = {load.tensor.op for s in statistics for load in _loads(s)}
     output_only = any(op not in row_reads for op in loads)
     shuffles = sum(_size(s) for s in statistics) // rows * SHUFFLE_ROUNDS
-    return accesses, schedule.threads, rows_per_warp * (1 + int(output_only)), rows_per_warp * shuffles, 0
+    trips = -(-rows_per_warp // schedule.rows_together) + rows_per_warp * int(output_only)
+    return accesses, schedule.threads, trips, rows_per_warp * shuffles, 0
 
 
 def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dram: Dram) -> StageWork:

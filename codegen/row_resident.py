@@ -22,6 +22,7 @@ reading thread's own lane (``_reads_along_row`` checks it on the TEs).
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import s_tir, te, tirx
@@ -65,6 +66,11 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
     loops = sch.get_loops(output)
     n_rows = product_of(loop_extent(sch, loop) for loop in loops[:-1])
     warps = threads // WARP
+    # a warp's rows of a tensor of the stage's rows (not a vector every row reads, nor a row
+    # gathered by index) loaded together, ``together`` at a time, before they are reduced
+    sources = [sch.get(statistics[0]).reads[index].source for index in cached]
+    of_rows = [product_of(int(d) for d in source.shape[:-1]) == n_rows for source in sources]
+    together = rows_together(rows_per_warp, width, [str(s.dtype) for s, rows in zip(sources, of_rows) if rows])
     if rows_per_warp > 1:
         # the last row axis split first, then the tile fused: split after fusing, the rows of a
         # 3-D tensor were bound as (t // 6, (t * 64 + ...) % 384), which TVM's bind of the
@@ -73,12 +79,12 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
         if loop_extent(sch, last) % (warps * rows_per_warp):
             raise ScheduleError(f"block {sch.get(output).name_hint}: tiles of {warps * rows_per_warp} rows do not "
                                 f"divide its last row axis ({loop_extent(sch, last)})")
-        outer, warp, row = sch.split(last, [None, warps, rows_per_warp])
+        outer, warp, group, row = sch.split(last, [None, warps, rows_per_warp // together, together])
         tile = sch.fuse(*leading, outer) if leading else outer
     else:
         tile, warp = sch.split(outer_loop(sch, loops[:-1], loops, output), [None, warps])
-        row = warp
-    depth = 3 if rows_per_warp > 1 else 2  # the loops a row's blocks are computed under: tile, warp (, row)
+        group = row = warp
+    depth = 4 if rows_per_warp > 1 else 2  # the loops a row's blocks are computed under: tile, warp (, group, row)
     _, lane = sch.split(sch.get_loops(output)[-1], [None, WARP])
     for block in reversed(statistics):
         sch.compute_at(block, row)
@@ -105,16 +111,22 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
                 sch.unroll(loop)
                 sch.annotate(loop, "pragma_unroll_explicit", False)
     caches = []
-    for index in cached:
+    for index, of_row in zip(cached, of_rows):
+        rows = together if of_row else 1
         cache = sch.cache_read(statistics[0], index, "local", consumer_blocks=[*statistics, output])
-        sch.compute_at(cache, row)
-        if product_of(loop_extent(sch, loop) for loop in sch.get_loops(cache)[depth:]) != width:
+        sch.compute_at(cache, group if rows > 1 else row)
+        if product_of(loop_extent(sch, loop) for loop in sch.get_loops(cache)[depth - 1 if rows > 1 else depth:]) != \
+                width * rows:
             raise ScheduleError(f"block {sch.get(output).name_hint}: a warp's blocks read more than one row of "
                                 f"{sch.get(cache).reads[0].source.name}")
         _, cache_lane = sch.split(sch.get_loops(cache)[-1], [None, WARP])
         sch.bind(cache_lane, "threadIdx.x")
+        if rows > 1:  # by nvcc, so that the rows' registers are indexed by constants (else local memory)
+            _unrolled_by_nvcc(sch, sch.get_loops(cache)[depth - 1:-1])
         sch.transform_layout(cache, ("write", 0), lambda *i: (*i[:-1], i[-1] % WARP, i[-1] // WARP))
-        caches.append(sch.get(cache).writes[0].source)
+        caches.append((sch.get(cache).writes[0].source, rows))
+    if together > 1 and any(rows > 1 for _, rows in caches):
+        _unrolled_by_nvcc(sch, [row])
     if gpu:
         sch.bind(tile, "blockIdx.x")
         sch.bind(warp, "threadIdx.y")
@@ -126,7 +138,26 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
         # ``codegen.schedule.schedule_stage``): simplified, each thread keeps its own row's, not
         # an array of the tile's rows
         scheduled = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": scheduled}))["main"]
-    return scheduled, StageSchedule("warp_reduce", n_tiles, warps * rows_per_warp * width, threads, n_rows * width, 0)
+    return scheduled, StageSchedule("warp_reduce", n_tiles, warps * rows_per_warp * width, threads, n_rows * width, 0,
+                                    rows_together=together)
+
+
+# What a lane holds of the rows its warp loads together (``rows_together``): 48 registers. Paper
+# BERT's fp32 softmax, 8 rows of 384 a warp loaded at once (96 floats a lane), took the kernel
+# from 128 registers to 199 (ptxas, sm_90) and from 2 blocks per SM to 1 (H100 model 2.13 ->
+# 2.36 ms); its fp16 one, 8 rows in 96 halves, fits.
+ROW_CACHE_BYTES = 192
+
+
+def rows_together(rows_per_warp: int, width: int, dtypes: list[str]) -> int:
+    """How many of its ``rows_per_warp`` rows a warp loads in one trip: the most, dividing them,
+    whose columns of the row tensors (of ``dtypes``) a lane holds in ``ROW_CACHE_BYTES``; one
+    where none is cached."""
+    per_row = sum(np.dtype(dtype).itemsize for dtype in dtypes) * -(-width // WARP)
+    if not per_row:
+        return 1
+    return max(n for n in range(1, rows_per_warp + 1)
+               if rows_per_warp % n == 0 and (n == 1 or n * per_row <= ROW_CACHE_BYTES))
 
 
 def statistics_of(tensor: te.Tensor) -> list[te.Tensor]:
@@ -185,23 +216,40 @@ def _is(index, iterator: tirx.IterVar) -> bool:
             and isinstance(dom.min, tirx.IntImm) and int(index) == int(dom.min))
 
 
+def _unrolled_by_nvcc(sch: s_tir.Schedule, loops: list) -> None:
+    """``loops`` marked ``#pragma unroll`` for nvcc (unrolled in TIR, a row's reduction buffers
+    would be allocated once per copy)."""
+    for loop in loops:
+        sch.unroll(loop)
+        sch.annotate(loop, "pragma_unroll_explicit", False)
+
+
 def _thread_private(func: tirx.PrimFunc, caches: list) -> tirx.PrimFunc:
-    """``func`` with each row cache (``local``, laid out [rows..., lane, column // WARP]) indexed by
-    its last dimension only: each thread's own columns, ``width / WARP`` elements."""
-    for cache in caches:
-        private = tirx.decl_buffer((cache.shape[-1],), cache.dtype, name=cache.name, scope="local")
+    """``func`` with each row cache (``local``, laid out [rows..., lane, column // WARP]; given with
+    the rows it holds) indexed by its last dimension only: each thread's own columns, ``width /
+    WARP`` elements; holding several rows, a warp's, by the row within the warp's too (the last
+    row index modulo their number: a warp's rows start at a multiple of it along that axis)."""
+    for cache, rows_per_warp in caches:
+        shape = (cache.shape[-1],) if rows_per_warp == 1 else (rows_per_warp, cache.shape[-1])
+        private = tirx.decl_buffer(shape, cache.dtype, name=cache.name, scope="local")
+
+        def own(indices, rows_per_warp=rows_per_warp):
+            return [indices[-1]] if rows_per_warp == 1 else [tirx.floormod(indices[-3], rows_per_warp), indices[-1]]
 
         def buffer(node, cache=cache, private=private):
             return private if node.same_as(cache) else node
 
         def load(node, private=private):
-            return tirx.BufferLoad(private, [node.indices[-1]]) if node.source.same_as(private) else node
+            return tirx.BufferLoad(private, own(node.indices)) if node.source.same_as(private) else node
 
         def store(node, private=private):
-            return tirx.BufferStore(private, node.value, [node.indices[-1]]) if node.buffer.same_as(private) else node
+            return tirx.BufferStore(private, node.value, own(node.indices)) if node.buffer.same_as(private) else node
 
-        def region(node, private=private):
-            return ir_expr.TensorRegion(private, [node.region[-1]], node.ty) if node.source.same_as(private) else node
+        def region(node, private=private, rows_per_warp=rows_per_warp):
+            if not node.source.same_as(private):
+                return node
+            rows = [] if rows_per_warp == 1 else [tvm.ir.Range(0, rows_per_warp)]
+            return ir_expr.TensorRegion(private, [*rows, node.region[-1]], node.ty)
 
         func = tvm_ffi.structural_map(func, [(ir_expr.Var, buffer), (ir_expr.TensorLoad, load),
                                              (tirx.BufferStore, store), (ir_expr.TensorRegion, region)])

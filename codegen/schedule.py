@@ -69,7 +69,7 @@ from analysis.characterize import same_elements_axis
 from analysis.dependence import TENSOR_LOAD, IslWriter, NotAffine, is_call_to, tensor_loads
 from codegen.stitch import align
 from codegen.tensor_core import (NARROW_TILES, TF32_NARROW_TILES, TF32_TILES, TILES, TensorCoreTile,
-                                 pipeline_chunks, selects, tensor_core_schedule)
+                                 pipeline_chunks, selects, tensor_core_schedule, whole_row_tile)
 from souffle.errors import SouffleError
 
 THREADS = 256  # one thread-block shape for every stage of a kernel
@@ -123,6 +123,7 @@ class StageSchedule:
     box: tuple[int, ...] = ()  # ``matmul`` only: the largest extent of a tile along each output dimension
     tensor_core_tile: TensorCoreTile | None = None  # ``tensor_core`` only: its warps and fragments
     measured_seconds: float | None = None  # ``database`` only: its record's run time (``codegen.tuned``)
+    rows_together: int = 1  # row-resident only: the rows a warp loads in one trip (``codegen.row_resident``)
 
     def __str__(self):
         shared = f", {self.shared_bytes} B shared" if self.shared_bytes else ""
@@ -745,15 +746,33 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
         return []  # (an operand read under a condition is no bar: its copy is element-wise)
     found = []
     for tile in TILES + NARROW_TILES + (TF32_TILES + TF32_NARROW_TILES if tf32 else ()):
-        min_use = NARROW_MIN_USE if tile.narrow else MATMUL_MIN_USE
-        scheduled = tensor_core_schedule(func, tile, threads, min_use, MATMUL_MIN_USE)
-        if scheduled is None:
-            continue
-        scheduled, applied = scheduled
-        stage = stitchable(scheduled, "tensor_core", threads, applied.pipelined)
+        stage = tensor_core_stage(func, tile, threads, NARROW_MIN_USE if tile.narrow else MATMUL_MIN_USE)
         if stage is not None:
-            found.append((stage[0], dataclasses.replace(stage[1], tensor_core_tile=applied)))
+            found.append(stage)
     return found
+
+
+def tensor_core_stage(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int = THREADS,
+                      min_use: float = MATMUL_MIN_USE) -> tuple[tirx.PrimFunc, StageSchedule] | None:
+    """``func`` on tensor cores in ``tile`` (``tensor_core_stages``' candidate of that tile), or
+    None where the tile does not fit it."""
+    scheduled = tensor_core_schedule(func, tile, threads, min_use, MATMUL_MIN_USE)
+    if scheduled is None:
+        return None
+    scheduled, applied = scheduled
+    stage = stitchable(scheduled, "tensor_core", threads, applied.pipelined)
+    return None if stage is None else (stage[0], dataclasses.replace(stage[1], tensor_core_tile=applied))
+
+
+def whole_row_stage(tensor: te.Tensor, placeholders: list[te.Tensor], threads: int,
+                    rows: int) -> tuple[tirx.PrimFunc, StageSchedule] | None:
+    """A GEMM-shaped stage's TE (with its register epilogue) on tensor cores in tiles of ``rows``
+    whole rows of its output (``codegen.tensor_core.whole_row_tile``), tile ``t`` the ``t``-th
+    ``rows`` rows, batch by batch; None where no such tile fits it."""
+    tile = whole_row_tile(rows, int(tensor.shape[-1]), threads // WARP)
+    if tile is None:
+        return None
+    return tensor_core_stage(te.create_prim_func(placeholders + [gathered_operands(tensor)]), tile, threads)
 
 
 def _gemm_rules_apply(func: tirx.PrimFunc) -> bool:

@@ -486,6 +486,24 @@ def _conditional_reads(sch: s_tir.Schedule, block) -> list[bool]:
     return [any(read.source.same_as(c) for c in conditional) for read in sch.get(block).reads]
 
 
+# The most accumulator fragments a warp of a whole-row tile holds (``whole_row_tile``): 16, eight
+# registers each, as many as a warp of a 128 x 256 tile would.
+WHOLE_ROW_FRAGMENTS = 16
+
+
+def whole_row_tile(rows: int, columns: int, warps: int) -> TensorCoreTile | None:
+    """A tile of ``rows`` whole rows of a GEMM ``columns`` wide, its ``warps`` warps side by side
+    along the columns, each holding all the rows (``codegen.align_tiles`` gives it to a GEMM whose
+    row-resident reader, a softmax, takes the same rows a tile); None where the rows or columns
+    are not whole fragments a warp, or a warp would hold more than ``WHOLE_ROW_FRAGMENTS``. Not
+    pipelined: the GEMM it is for (attention's scores, K = 64 terms) is one chunk, and its slices
+    (448 rows for 384 columns) are copied once, not into a ring."""
+    if rows % FRAGMENT or columns % (FRAGMENT * warps):
+        return None
+    tile = TensorCoreTile(1, warps, rows // FRAGMENT, columns // (FRAGMENT * warps), pipelined=False)
+    return tile if tile.fragments_i * tile.fragments_j <= WHOLE_ROW_FRAGMENTS else None
+
+
 def _whole(extent: int, tile: int) -> int:
     """``extent`` rounded up to whole tiles."""
     return -(-extent // tile) * tile

@@ -22,8 +22,9 @@ from tvm import tirx
 import souffle
 from analysis import device as devices
 from analysis import threads
-from codegen.row_resident import row_resident_stage
+from codegen.row_resident import row_resident_stage, rows_together
 from codegen.schedule import ScheduleError, THREADS, WARP
+from codegen.tensor_core import whole_row_tile
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
 
@@ -33,20 +34,39 @@ HEADS, ROWS, VALUES = 2, 128, 64
 SOFTMAX, PRODUCT = "T_softmax_maxelem+T_softmax_expsum+softmax_1", "T_batch_matmul_NN+batch_matmul_2"
 
 
-def _attention():
+def _scored_attention():
+    """softmax(q . k^T) . values over inputs q and k, the values a weight; the graph, inputs and
+    PyTorch's fp16 answer."""
+    rng = np.random.default_rng(3)
+    b = GraphBuilder("attention")
+    q, k = (b.input(name, (HEADS, ROWS, VALUES)) for name in ("q", "k"))
+    values = b.param("values", rng.standard_normal((HEADS, ROWS, VALUES)).astype("float32"))
+    scores = b.op("batch_matmul", q, k, transpose_b=True)
+    graph = b.build(b.op("batch_matmul", b.op("softmax", scores), values))
+    inputs = {name: rng.standard_normal((HEADS, ROWS, VALUES)).astype("float32") for name in ("q", "k")}
+    half = {name: torch.from_numpy(v).half().float() for name, v in inputs.items()}
+    products = torch.bmm(half["q"], half["k"].transpose(1, 2)).half().float()
+    half_values = torch.from_numpy(graph.weights["values"].copy()).half().float()
+    expected = torch.bmm(torch.softmax(products, -1).half().float(), half_values)
+    return graph, inputs, expected.numpy()
+
+
+def _attention(rows: int = ROWS):
     """softmax(scores) . values, the values a weight (converted to fp16 at compile time: as an
     input, its cast would be a stage between the two, with a grid barrier of its own before the
-    product); the graph, inputs and PyTorch's fp16 answer."""
+    product); the graph, inputs, and PyTorch's answers at fp16 and fp32."""
     rng = np.random.default_rng(0)
     b = GraphBuilder("attention")
-    scores = b.input("scores", (HEADS, ROWS, ROWS))
-    values = b.param("values", rng.standard_normal((HEADS, ROWS, VALUES)).astype("float32"))
+    scores = b.input("scores", (HEADS, rows, rows))
+    values = b.param("values", rng.standard_normal((HEADS, rows, VALUES)).astype("float32"))
     graph = b.build(b.op("batch_matmul", b.op("softmax", scores), values))
-    inputs = {"scores": rng.standard_normal((HEADS, ROWS, ROWS)).astype("float32") * 2}
+    inputs = {"scores": rng.standard_normal((HEADS, rows, rows)).astype("float32") * 2}
     half_scores = torch.from_numpy(inputs["scores"]).half().float()
     half_values = torch.from_numpy(graph.weights["values"].copy()).half().float()
     expected = torch.bmm(torch.softmax(half_scores, -1).half().float(), half_values)
-    return graph, inputs, expected.numpy()
+    full = torch.bmm(torch.softmax(torch.from_numpy(inputs["scores"]), -1),
+                     torch.from_numpy(graph.weights["values"].copy()))
+    return graph, inputs, expected.numpy(), full.numpy()
 
 
 @pytest.fixture
@@ -95,11 +115,33 @@ def test_where_the_softmax_would_cost_more_than_the_barrier_nothing_changes():
 
 @pytest.mark.parametrize("order", ["ascending", "descending"])
 def test_the_aligned_kernel_matches_torch_on_emulated_threads(dear_barriers, order):
-    graph, inputs, expected = _attention()
+    graph, inputs, expected, _ = _attention()
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
     assert _stages(model.plan)[PRODUCT].barrier is None
     (got,) = model.schedule(order).run(inputs)
     np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_rows_of_384_floats_are_loaded_four_at_a_time_and_match_torch(dear_barriers):
+    """At fp32, 8 rows of 384 a warp would be 96 floats a lane: the warp loads them 4 at a time
+    (``ROW_CACHE_BYTES``), in two trips, and the kernel (P.V on dlight's SIMT matmul, tiles of 64
+    x 64) matches PyTorch's float32 on emulated threads."""
+    graph, inputs, _, expected = _attention(384)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
+    softmax = _stages(model.plan)[SOFTMAX]
+    assert (softmax.schedule.n_tiles, softmax.schedule.rows_together) == (HEADS * 384 // 64, 4)
+    assert _stages(model.plan)["batch_matmul_2"].barrier is None
+    (got,) = model.schedule("descending").run(inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_together_fit_a_lane_s_registers():
+    assert rows_together(8, 384, ["float16"]) == 8  # 96 halves a lane: 192 bytes
+    assert rows_together(8, 384, ["float32"]) == 4
+    assert rows_together(8, 384, ["float32", "float32"]) == 2  # two row tensors (a residual's sum)
+    assert rows_together(8, 384, []) == 1  # nothing cached: a row at a time
+    assert rows_together(6, 384, ["float32"]) == 3
+    assert rows_together(8, 4096, ["float32"]) == 1
 
 
 def test_the_validator_refuses_the_aligned_kernel_without_its_syncthreads(dear_barriers, monkeypatch):
@@ -135,6 +177,65 @@ def test_the_validator_refuses_the_aligned_kernel_without_its_syncthreads(dear_b
                for v in caught), caught
 
 
+def test_the_scores_are_tiled_in_whole_rows_with_the_softmax(dear_barriers):
+    """q . k^T right before the softmax: 4 tiles of 64 whole rows of 128 (1 x 8 warps of 4 x 1
+    fragments), tile t the softmax's tile t, so neither the softmax nor the product waits on a
+    grid barrier."""
+    result = run_passes(_scored_attention()[0], "cuda", stop="plan_arena", opt_level=4, precision="fp16")
+    stages = {s.name.split("/")[-1]: s for s in result.ir.stages()}
+    scores = stages["T_batch_matmul_NT+compute"]
+    assert (scores.schedule.n_tiles, scores.schedule.box) == (4, (1, 64, 128))
+    assert str(scores.schedule.tensor_core_tile) == "64x128x64 (1x8 warps of 4x1 fragments)"
+    softmax = stages["T_softmax_maxelem+T_softmax_expsum+softmax_2"]
+    product = stages["T_batch_matmul_NN+batch_matmul_3"]
+    assert softmax.barrier is None and product.barrier is None
+    assert softmax.block_barrier is not None and product.block_barrier is not None
+    (note,) = _notes(result)
+    assert "; attention_r0/T_batch_matmul_NT+compute in 4 tiles of 64 whole rows" in note
+    assert ": 2 grid barriers fewer (h200: " in note
+
+
+def test_the_validator_refuses_the_softmax_without_the_syncthreads_after_the_scores(dear_barriers, monkeypatch):
+    """The softmax's warps load rows of the scores that other warps of the block stored (each
+    warp of the scores' tile stores 64 x 16 columns of it): only the ``__syncthreads`` between
+    the two orders them."""
+    monkeypatch.setattr(threads, "REPORTED", 10_000)
+    plan = run_passes(_scored_attention()[0], "cuda", stop="kernel_plan", opt_level=4, precision="fp16").ir
+    (kernel,) = [mutants.Kernel("aligned", name, func, {}, 1, plan.staged.threads)
+                 for name, func in mutants.device_functions(mutants.device_module(plan.funcs, "sm_90")).items()]
+    assert mutants.validate(kernel).violations == ()
+    scores, softmax = mutants.tile_loops(kernel.func)[2:4]
+    statements = list(mutants.statements(kernel.func.body))
+
+    def place(statement) -> int:
+        return next(k for k, s in enumerate(statements) if s.same_as(statement))
+
+    inside = list(mutants.statements(scores.body))
+    (between,) = [s for s in statements if mutants.is_barrier(s, "tirx.tvm_storage_sync")
+                  and place(scores) < place(s) < place(softmax) and not any(s.same_as(t) for t in inside)]
+    nothing = tirx.Evaluate(tirx.const(0, "int32"))
+    dropped = kernel.func.with_body(mutants.rewrite(kernel.func.body, lambda s: nothing if s.same_as(between) else s))
+    caught = mutants.validate(kernel, dropped).violations
+    assert any(v.startswith("stage 2 (writes compute) / stage 3 (writes compute): ") and "(same block" in v
+               and "with no __syncthreads" in v for v in caught), caught
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_scores_softmax_and_product_in_one_block_match_torch_on_emulated_threads(dear_barriers, order):
+    graph, inputs, expected = _scored_attention()
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+    (got,) = model.schedule(order).run(inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_a_whole_row_tile_is_the_columns_over_the_warps():
+    assert str(whole_row_tile(64, 384, 8)) == "64x384x64 (1x8 warps of 4x3 fragments)"
+    assert not whole_row_tile(64, 384, 8).pipelined
+    assert whole_row_tile(64, 200, 8) is None  # 25 columns a warp
+    assert whole_row_tile(72, 384, 8) is None  # 4.5 fragments of rows
+    assert whole_row_tile(128, 512, 8) is None  # 8 x 4 fragments a warp: more than 16
+
+
 def test_several_rows_a_warp_need_tiles_that_divide_the_last_row_axis():
     from tvm import te
 
@@ -166,11 +267,13 @@ def test_the_no_aligned_tiles_variant_keeps_the_softmax_a_warp_a_row(dear_barrie
 
 def test_bert_with_its_softmax_aligned_matches_torch_on_emulated_threads(dear_barriers, capsys):
     """A BERT of two layers of 2 heads over 128 tokens at fp16: each layer's softmax goes with its
-    P.V (the attention mask, the scale and the casts around them), threads in descending order."""
+    P.V, its scores in whole rows with it (the attention mask, the scale and the casts around
+    them), threads in descending order."""
     from souffle.cli import main
 
     config = '{"layers": 2, "hidden": 128, "heads": 2, "ffn": 128, "seq": 128, "max_positions": 128}'
     assert main(["compile", "bert", "--config", config, "--target", "cuda-emulated", "--precision", "fp16",
                  "--check", "--thread-order", "descending"]) == 0
     out = capsys.readouterr().out
-    assert ": 2 grid barriers fewer (h200: " in out and "check          PASS" in out, out
+    assert "tiles of 64 whole rows (64x128x64 (1x8 warps of 4x1 fragments)), tile t the rows tile t reads: " \
+        "4 grid barriers fewer (h200: " in out and "check          PASS" in out, out

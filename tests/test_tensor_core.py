@@ -278,7 +278,10 @@ def test_a_batched_product_s_values_are_copied_along_their_rows():
     graph = models.build("bert", BERT_GEMMS, seed=0)
     plan = run_passes(graph, "cuda", stop="kernel_plan", opt_level=4, precision="fp16").ir
     stages = {s.name: s for s in plan.staged.stages() if s.schedule.tensor_core_tile}
-    assert all(s.schedule.tensor_core_tile.copies_async for s in stages.values()), stages
+    # the scores in whole rows with their softmax (codegen.align_tiles): one chunk, copied once
+    whole_rows = {name for name, s in stages.items() if not s.schedule.tensor_core_tile.pipelined}
+    assert whole_rows == {"bert_layer_r0/T_batch_matmul_NT+compute"}
+    assert all(s.schedule.tensor_core_tile.copies_async for name, s in stages.items() if name not in whole_rows)
     # wmma reads A row-major; B column-major where its slice is [columns, terms]
     untransposed = {name for name, s in stages.items() if '"col_major")' not in s.func.script()}
     assert untransposed == {"bert_layer_r0/T_batch_matmul_NN+batch_matmul_13"}
