@@ -5,7 +5,9 @@ Per model and level, all levels compiled from the same graph and run on the same
 - kernels: in the code, and launched per inference (O0-O2 launch one per TE, loops from the host),
   and grid barriers executed per inference, of the ``llvm-persistent`` program (below), whose
   stages have no tensor cores: where the cuda pipeline's tensor-core stages make its partition
-  split, the kernels it launches are the ``launches (cuda)`` column, beside its estimate;
+  split, the kernels it launches are the ``launches (cuda)`` column, and where it tiles stages to
+  run in one block (``codegen.align_tiles``), the grid barriers it executes are the ``grid
+  barriers (cuda)`` column, beside its estimate;
 - static global-memory bytes read and written (``codegen.traffic``, an upper bound on DRAM);
 - the CPU latency of the persistent kernel's staged program (target ``llvm-persistent``: the
   same stages, tiles and barriers run block after block on this CPU), median of ``--repeat``
@@ -62,7 +64,8 @@ COLUMNS = [("model", "model"), ("precision", "precision"), ("level", "level"), (
            ("launches", "launches"),
            ("barriers_executed", "grid barriers"), ("read_mb", "read MB"), ("write_mb", "written MB"),
            ("cpu_ms", "CPU ms"), ("max_abs_error", "max abs error"), ("cuda", "CUDA"),
-           ("estimate_launches", "launches (cuda)"), ("roofline_ms", "roofline ms"),
+           ("estimate_launches", "launches (cuda)"), ("estimate_grid_barriers", "grid barriers (cuda)"),
+           ("roofline_ms", "roofline ms"),
            ("estimate_ms", "estimate ms"), ("gpu_ms", "GPU ms")]
 GPUS = [name for name in DEVICES if get_device(name).kind == "gpu"]
 

@@ -126,7 +126,9 @@ def test_ablation_writes_every_level_with_its_counts(tmp_path, monkeypatch):
     assert [r["estimate_launches"] for r in rows] == [58, 12, 1]  # the cuda program's, which the estimate is of
     header = (tmp_path / "ablation_test.md").read_text().split("| model |")[1].splitlines()[0]
     # GPU ms: empty until measured
-    assert header.endswith("| launches (cuda) | roofline ms (h100) | estimate ms (h100) | GPU ms |")
+    assert header.endswith("| launches (cuda) | grid barriers (cuda) | roofline ms (h100) | estimate ms (h100) "
+                           "| GPU ms |")
+    assert [r["estimate_grid_barriers"] for r in rows] == [0, 0, rows[-1]["barriers_executed"]]
 
 
 def test_ablation_estimates_on_another_device_without_running(tmp_path, monkeypatch):
