@@ -127,8 +127,6 @@ def _options(stage: Stage, writer: Stage | None, reader: Stage, device: DeviceMo
 def _aligned_with(stage: Stage, reader: Stage) -> Stage | None:
     """``stage`` (a row-resident stage, a warp a row) in tiles of the rows ``reader``'s tile t
     reads, where each of ``reader``'s tiles reads its own rows (``same_block``); else None."""
-    if reader.schedule.tile_relation is None:
-        return None
     read = [k for k, ref in enumerate(reader.reads) if _same_ref(ref, stage.write)]
     warps = stage.schedule.threads // WARP
     width = int(stage.tensor.shape[-1])
