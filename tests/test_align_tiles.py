@@ -277,3 +277,32 @@ def test_bert_with_its_softmax_aligned_matches_torch_on_emulated_threads(dear_ba
     out = capsys.readouterr().out
     assert "tiles of 64 whole rows (64x128x64 (1x8 warps of 4x1 fragments)), tile t the rows tile t reads: " \
         "4 grid barriers fewer (h200: " in out and "check          PASS" in out, out
+
+
+class _TorchAttention(torch.nn.Module):
+    """Self-attention as a PyTorch user writes it: 4-D heads, a fused QKV projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(128, 384)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, s, 3, 2, 64).permute(2, 0, 3, 1, 4)
+        p = torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1)
+        return (p @ v).transpose(1, 2).reshape(b, s, 128)
+
+
+def test_an_imported_pytorch_attention_is_aligned_and_matches_it_on_emulated_threads(dear_barriers):
+    """torch.export's graph of 4-D heads ([1, 2, 128, 64]): the softmax's rows split along its
+    last row axis, the scores in whole rows, all three in one block."""
+    from souffle.importers.torch_export import from_torch
+
+    torch.manual_seed(0)
+    module = _TorchAttention().eval()
+    x = torch.randn(1, 128, 128)
+    graph = from_torch(module, (x,))
+    model = souffle.compile(graph, target="cuda-emulated", precision="fp16")
+    assert any("whole rows" in note and ": 2 grid barriers fewer" in note for note in model.transforms)
+    (got,) = model.schedule("descending").run({graph.inputs[0].name: x.numpy()})
+    np.testing.assert_allclose(got, module(x).detach().numpy(), rtol=1e-2, atol=1e-2)
