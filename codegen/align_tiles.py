@@ -43,11 +43,13 @@ def align_tiles(staged: StagedProgram, device: DeviceModel) -> tuple[StagedProgr
     or kept; ``staged`` itself is not changed."""
     notes: list[str] = []
     barrier = device.grid_sync_seconds(device.sms)
+    barriers = None  # executed by ``staged`` as it stands, placed once it has a candidate
     for stage, writer, reader, executions in _candidates(staged.items, 1):
         options = _options(stage, writer, reader, device)
         if not options:
             continue
-        barriers = place_barriers(staged).barrier_count(True)
+        if barriers is None:
+            barriers = place_barriers(staged).barrier_count(True)
         judged = []
         for changes, what in options:
             trial = staged.with_items(_replaced(staged.items, changes))
@@ -66,7 +68,7 @@ def align_tiles(staged: StagedProgram, device: DeviceModel) -> tuple[StagedProgr
         else:
             notes.append(f"{what}: {_counted(saved, 'grid barrier')} fewer ({device.name}: {before * 1e6:.2f} -> "
                          f"{after * 1e6:.2f} us a run, {runs}; a barrier {barrier * 1e6:.2f} us)")
-            staged = trial
+            staged, barriers = trial, barriers - saved
     return staged, notes
 
 

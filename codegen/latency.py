@@ -351,8 +351,8 @@ def _row_accesses(stage: Stage, tile: int, holders: dict) -> tuple:
     its row. One trip to memory for the row, one more for what only the output reads (a
     LayerNorm's weight and bias). A warp of several rows loads them ``rows_together`` at a time,
     then reduces and stores them one after the other: one more trip a row for what only the
-    output reads, and every row's shuffles. Returns (accesses,
-    active threads, memory steps, on-chip steps, block barriers)."""
+    output reads, and every row's shuffles. Returns (accesses, active threads, memory steps,
+    on-chip steps, block barriers)."""
     schedule = stage.schedule
     warps = schedule.threads // WARP
     width = int(stage.tensor.shape[-1])

@@ -107,9 +107,7 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
             # unroll``; unrolled in TIR, the lanes' reduction buffers would be allocated twice):
             # indexed by a loop, nvcc put the array in local memory (paper BERT fp16's FFN2
             # LayerNorm, from its PTX)
-            for loop in spatial:
-                sch.unroll(loop)
-                sch.annotate(loop, "pragma_unroll_explicit", False)
+            _unrolled_by_nvcc(sch, spatial)
     caches = []
     for index, of_row in zip(cached, of_rows):
         rows = together if of_row else 1
@@ -125,7 +123,7 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
             _unrolled_by_nvcc(sch, sch.get_loops(cache)[depth - 1:-1])
         sch.transform_layout(cache, ("write", 0), lambda *i: (*i[:-1], i[-1] % WARP, i[-1] // WARP))
         caches.append((sch.get(cache).writes[0].source, rows))
-    if together > 1 and any(rows > 1 for _, rows in caches):
+    if together > 1:  # a cache of the warp's rows, indexed by the row
         _unrolled_by_nvcc(sch, [row])
     if gpu:
         sch.bind(tile, "blockIdx.x")
