@@ -97,6 +97,18 @@ def same_elements_axis(reduction: te.Tensor, max_extent: int) -> int | None:
     return int(last.dom.extent)
 
 
+def shares_loads_along_rows(reduction: te.Tensor) -> bool:
+    """Whether consecutive outputs along ``reduction``'s last axis (longer than 1) read some of
+    the same elements and not all: a GEMV's rows read one vector and each its own row of the
+    matrix, so rows reduced together load the vector once for all of them."""
+    if not reduction.op.reduce_axis or not reduction.op.axis or int(reduction.op.axis[-1].dom.extent) < 2:
+        return False
+    last = reduction.op.axis[-1].var
+    indexed = [any(v.same_as(last) for index in load.indices for v in tirx.analysis.undefined_vars(index))
+               for load in tensor_loads(reduction.op.body[0])]
+    return any(indexed) and not all(indexed)
+
+
 def is_gemm(reduction: te.Tensor | None, batched: bool = False) -> bool:
     """A sum of products whose two factors are each reused along an output axis the other
     varies with (an axis longer than 1): dense, matmul, convolution, a grouped convolution whose

@@ -127,6 +127,12 @@ def _two_rows_per_warp() -> list:
     return [mock.patch.object(schedule, "WARP_REDUCE_ROWS", 2)]
 
 
+def _one_row_at_a_time() -> list:
+    from codegen import schedule
+
+    return [mock.patch.object(schedule, "GEMV_ROWS_TOGETHER", ())]
+
+
 def _pair_epilogues() -> list:
     from codegen import epilogues
 
@@ -217,6 +223,12 @@ VARIANTS = {
         "H100, 7.2 us as one round of 640 longer tiles. Do BERT's and Swin's softmax and LayerNorm rows "
         "(BERT fp16: 576 softmax tiles in 5 rounds of its 132 blocks, 3 with two rows a warp) gain too?",
         _two_rows_per_warp),
+    "no-rows-together": Variant(
+        "a GEMV's warps reduce one row each, not 2 or 4 together (codegen.schedule.GEMV_ROWS_TOGETHER): paper "
+        "LSTM's gate product at fp16 back to 1280 tiles of 8 gates in three rounds of its 528 blocks, where 4 "
+        "rows a warp make 320 tiles in one (H100 model: 2.68 -> 1.42 us a step, 505 -> 322 us); what do the "
+        "rounds cost?",
+        _one_row_at_a_time),
     "no-row-resident": Variant(
         "softmax and LayerNorm as the third run timed them: the row's first statistic (a max, a sum) a stage "
         "of its own, then the next with the output as a shared-memory epilogue, each row read three times, "

@@ -5,7 +5,8 @@ Per stage, from its template, tiles and epilogue:
 
 - who works: an elementwise or thread_reduce tile gives one output to each of its threads, a
   warp_reduce tile ``per_tile / warps`` outputs to each warp (one by default), one after the
-  other, its 32 lanes splitting each reduction;
+  other or ``rows_together`` (a GEMV's rows: a load they share is one load for all of them, and
+  they take one dependent chain), its 32 lanes splitting each reduction;
 - where the reduction accumulates: in a register, in every template (a thread_reduce stage
   without a fused epilogue gets a copy as its register epilogue, ``codegen.schedule``); the
   result is stored once;
@@ -46,8 +47,8 @@ from analysis.affine import unravel
 from analysis.characterize import count_flops, is_gemm
 from analysis.dependence import count_points, iteration_domain, tensor_loads
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
-from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageWork,
-                              estimate_program, estimate_stage)
+from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageEstimate,
+                              StageWork, estimate_program, estimate_stage)
 from codegen.partition import stage_registers
 from codegen.row_resident import statistics_of
 from codegen.schedule import (MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL_VTHREADS, WARP, epilogue_reduction,
@@ -125,11 +126,16 @@ def stage_seconds(stage: Stage, device: DeviceModel, traffic: StageTraffic | Non
     program around it (its kernel's grid, its on-chip weights, what L2 holds) exists: its DRAM
     bytes are the counted ones. ``traffic``: the stage's ``stage_traffic``, which its schedule
     does not change (computed when not given)."""
+    return stage_estimate(stage, device, traffic).seconds
+
+
+def stage_estimate(stage: Stage, device: DeviceModel, traffic: StageTraffic | None = None) -> StageEstimate:
+    """``stage_seconds``' estimate, with the five times it is the largest of."""
     schedule = stage.schedule
     occupancy = co_resident_grid(stage_registers(stage), schedule.shared_bytes, device, schedule.threads)
     work = _stage_work(stage, 1, min(occupancy.grid, schedule.n_tiles), occupancy.blocks_per_sm,
                        Dram.counted(traffic or stage_traffic(stage)))
-    return estimate_stage(work, device).seconds
+    return estimate_stage(work, device)
 
 
 def kernel_runs(items: list) -> list[tuple[Stage | OnChip, int, int]]:
@@ -268,19 +274,25 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
             steps = -(-terms // UNROLLED_STEPS)
             result_sectors = _store_sectors(reduction, lanes)
             on_chip_steps = 0
-        else:  # warp_reduce: each warp's outputs one after the other, its lanes along the reduction, then shuffles
+        else:  # warp_reduce: each warp's outputs one after the other, or ``rows_together`` at a
+            # time, its lanes along the reduction, then shuffles
             # per_tile counts the stage's outputs: an epilogue's (softmax's exp: a row of 384 per
             # reduced output) when it has one, so the reductions per tile scale back from it
             reduced = schedule.per_tile * outputs // schedule.outputs
             rows = max(1, reduced // warps)
+            together = min(rows, schedule.rows_together)
             results = min(reduced, outputs)
             active = WARP * min(warps, outputs)
             lanes = _reduction_lanes(reduction, min(tile * reduced, outputs - 1), terms)
             per_lane = -(-terms // WARP)
             instructions = results * per_lane
-            steps = rows * -(-per_lane // UNROLLED_STEPS)
+            steps = -(-rows // together) * -(-per_lane // UNROLLED_STEPS)
             result_sectors = 1
             on_chip_steps = rows * SHUFFLE_ROUNDS
+            if together > 1:  # a load its rows share (a GEMV's vector) is one load for all of them
+                shared = [load for load in loads if not _indexed_by_rows(load, reduction)]
+                loads_of(shared, lanes, -(-results // together) * per_lane)
+                loads = [load for load in loads if _indexed_by_rows(load, reduction)]
         loads_of(loads, lanes, instructions)
         if all(a.space == "shared" for a in accesses):
             memory_steps, on_chip_steps = 0, on_chip_steps + steps
@@ -547,6 +559,13 @@ def _padded_flops(stage: Stage, reduction: te.Tensor, products_per_tile: int) ->
 
 
 # -- one warp's accesses, evaluated at a representative warp --------------------------------------
+def _indexed_by_rows(load, reduction: te.Tensor) -> bool:
+    """Whether ``load``'s element changes along ``reduction``'s last output axis, the one a warp's
+    rows run along."""
+    last = reduction.op.axis[-1].var
+    return any(v.same_as(last) for index in load.indices for v in tirx.analysis.undefined_vars(index))
+
+
 def _loads(tensor: te.Tensor) -> list:
     """The loads ``tensor``'s body issues, each distinct (tensor, indices) once: nvcc loads an
     element the expression reads twice (an inlined ``x * sigmoid(x)``) once."""

@@ -30,7 +30,7 @@ from tvm.ir import expr as ir_expr
 
 from analysis.dependence import sub_expressions
 from codegen.schedule import (SAME_ELEMENTS_AXIS_MAX, WARP, ScheduleError, StageSchedule, lanes_can_reduce, loop_extent,
-                              outer_loop, product_of)
+                              outer_loop, product_of, unrolled_by_nvcc)
 
 
 def schedule_row_resident(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool,
@@ -107,7 +107,7 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
             # unroll``; unrolled in TIR, the lanes' reduction buffers would be allocated twice):
             # indexed by a loop, nvcc put the array in local memory (paper BERT fp16's FFN2
             # LayerNorm, from its PTX)
-            _unrolled_by_nvcc(sch, spatial)
+            unrolled_by_nvcc(sch, spatial)
     caches = []
     for index, of_row in zip(cached, of_rows):
         rows = together if of_row else 1
@@ -120,11 +120,11 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
         _, cache_lane = sch.split(sch.get_loops(cache)[-1], [None, WARP])
         sch.bind(cache_lane, "threadIdx.x")
         if rows > 1:  # by nvcc, so that the rows' registers are indexed by constants (else local memory)
-            _unrolled_by_nvcc(sch, sch.get_loops(cache)[depth - 1:-1])
+            unrolled_by_nvcc(sch, sch.get_loops(cache)[depth - 1:-1])
         sch.transform_layout(cache, ("write", 0), lambda *i: (*i[:-1], i[-1] % WARP, i[-1] // WARP))
         caches.append((sch.get(cache).writes[0].source, rows))
     if together > 1:  # a cache of the warp's rows, indexed by the row
-        _unrolled_by_nvcc(sch, [row])
+        unrolled_by_nvcc(sch, [row])
     if gpu:
         sch.bind(tile, "blockIdx.x")
         sch.bind(warp, "threadIdx.y")
@@ -212,14 +212,6 @@ def _is(index, iterator: tirx.IterVar) -> bool:
     dom = iterator.dom
     return (isinstance(index, tirx.IntImm) and isinstance(dom.extent, tirx.IntImm) and int(dom.extent) == 1
             and isinstance(dom.min, tirx.IntImm) and int(index) == int(dom.min))
-
-
-def _unrolled_by_nvcc(sch: s_tir.Schedule, loops: list) -> None:
-    """``loops`` marked ``#pragma unroll`` for nvcc (unrolled in TIR, a row's reduction buffers
-    would be allocated once per copy)."""
-    for loop in loops:
-        sch.unroll(loop)
-        sch.annotate(loop, "pragma_unroll_explicit", False)
 
 
 def _thread_private(func: tirx.PrimFunc, caches: list) -> tirx.PrimFunc:

@@ -16,7 +16,9 @@ Templates, chosen from the block's iterators (never from an op's name):
 - ``warp_reduce``: few outputs, long reductions (softmax and norm statistics, a GEMV):
   one output per warp, its reduction split across the warp's 32 lanes (coalesced reads) and
   combined by TVM's cross-thread all-reduce, which for one warp is register shuffles only —
-  no shared memory and no block-wide synchronization.
+  no shared memory and no block-wide synchronization. A GEMV-shaped one also has candidates
+  whose warps reduce 2 or 4 rows together, one sum per row in each lane (``rfactor``, as
+  dlight's GEMV rule does), the vector loaded once for all of them.
 - ``thread_reduce``: enough outputs to give every thread of the grid its own (GEMMs,
   convolutions): one output per thread, ``THREADS`` per tile, the reduction serial in a
   register, stored once (``schedule_te``).
@@ -65,7 +67,7 @@ from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import get_root_block
 
 from analysis.affine import Rewriter, recompute, row_major
-from analysis.characterize import same_elements_axis
+from analysis.characterize import same_elements_axis, shares_loads_along_rows
 from analysis.dependence import TENSOR_LOAD, IslWriter, NotAffine, is_call_to, tensor_loads
 from codegen.stitch import align
 from codegen.tensor_core import (NARROW_TILES, TF32_NARROW_TILES, TF32_TILES, TILES, TensorCoreTile,
@@ -80,6 +82,16 @@ GRID_WAVE = 132 * 2  # tiles that keep a full GPU busy (H200: 132 SMs, two block
 # many. More than one makes fewer, longer tiles (paper LSTM's wavefront step: 1280 tiles of 8 gates
 # in two rounds of its 660 blocks; the ``two-rows-per-warp`` variant times 640 of 16).
 WARP_REDUCE_ROWS = 1
+# Rows a warp of a GEMV-shaped warp_reduce stage may reduce together (``rows_together``
+# candidates, the latency model picks): the warp's lanes keep one sum per row and load the
+# vector's element once for all of them. Paper LSTM's wavefront step is 1280 tiles of 8 gates,
+# three rounds of its 528 blocks each paying the chain of loads and shuffles; 4 rows together
+# make 320 tiles of 32, one round. Offered where the stage takes more than a round of the grid
+# (``GRID_WAVE`` tiles), its epilogue computed by the block from shared memory (the LSTM cell's
+# update; the one checked on emulated threads) and its matrices are 16-bit: a tile of 4 rows of
+# float32 weights (64 KB for paper LSTM) no longer fits a block's shared memory, where
+# ``codegen.on_chip`` keeps them, which the choice, made on the stage alone, cannot weigh.
+GEMV_ROWS_TOGETHER = (2, 4)
 # A reduction's last output axis up to this long whose outputs read the same elements (no load is
 # indexed by it: a row's moments, the sums of d and of d^2) goes to one warp whole (``warp_outputs``).
 SAME_ELEMENTS_AXIS_MAX = 4
@@ -123,7 +135,9 @@ class StageSchedule:
     box: tuple[int, ...] = ()  # ``matmul`` only: the largest extent of a tile along each output dimension
     tensor_core_tile: TensorCoreTile | None = None  # ``tensor_core`` only: its warps and fragments
     measured_seconds: float | None = None  # ``database`` only: its record's run time (``codegen.tuned``)
-    rows_together: int = 1  # row-resident only: the rows a warp loads in one trip (``codegen.row_resident``)
+    # the rows a warp loads in one trip: row-resident (``codegen.row_resident``), or a warp_reduce
+    # warp reducing its rows together (``_reduce_rows_together``)
+    rows_together: int = 1
 
     def __str__(self):
         shared = f", {self.shared_bytes} B shared" if self.shared_bytes else ""
@@ -183,11 +197,13 @@ def warp_outputs(reduction: te.Tensor) -> int:
 
 
 def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
-                   epilogue_mode: str | None = None, per_warp: int | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
+                   epilogue_mode: str | None = None, per_warp: int | None = None,
+                   together: bool = False) -> tuple[tirx.PrimFunc, StageSchedule]:
     """Tile the block of ``func`` (a single TE from ``te.create_prim_func``, or a reduction and
     its epilogue, see ``epilogue_mode``) for blocks of ``threads`` threads; ``gpu`` binds the
     tile and thread loops, the CPU runs them serially. A warp_reduce warp takes ``per_warp``
-    outputs (``warp_outputs``)."""
+    outputs (``warp_outputs``), one after the other, or with ``together`` all at once
+    (``_reduce_rows_together``)."""
     sch = s_tir.Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     if epilogue_mode is None:
@@ -220,6 +236,7 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         # every warp would store it, seven of eight from lanes that reduced nothing.
         sch.reverse_compute_at(blocks[1], fused)
     warps = threads // WARP
+    sums = None
     if template == "elementwise":
         tile, _, warp, lane = sch.split(fused, [None, per_tile // threads, warps, WARP])
         holder = lane
@@ -228,6 +245,9 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         r = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
         _, lane = sch.split(r, [None, WARP])
         holder = warp
+        if together and per_tile > warps:
+            tile, warp, lane, sums = _reduce_rows_together(sch, block, lane, gpu)
+            holder = warp
     else:
         tile, warp, lane = sch.split(fused, [None, warps, WARP])
         holder = lane
@@ -238,6 +258,8 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         sch.bind(tile, "blockIdx.x")
         sch.bind(warp, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
+    if sums is not None:
+        _accumulate_in_registers(sch, *sums)
     n_tiles = -(-outputs // per_tile)
     func = sch.mod["main"]
     if gpu and n_tiles == 1 and epilogue_mode is not None:
@@ -257,7 +279,51 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         func = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": func}))["main"]
     if gpu and epilogue_mode == "shared":
         func = _synchronize_epilogue(func)
-    return func, StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch))
+    return func, StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch),
+                               rows_together=1 if sums is None else per_tile // warps)
+
+
+def _reduce_rows_together(sch: s_tir.Schedule, block, lane, gpu: bool):
+    """``block``'s warp_reduce loops (tile, warp, rows, steps, lane) as a warp reducing its rows
+    together, as dlight's GEMV rule does it: ``rfactor`` over the lanes gives each lane a sum per
+    row in registers, accumulated in one pass over the steps (the rows' loop innermost, unrolled,
+    so a load the rows share, the vector's element, is one load: nvcc keeps one of the
+    identical loads, no store between them), then the warp's shuffles reduce each row's sums
+    (TVM's cross-thread lowering of ``block``, in the same warp's loop). Returns the tile, warp
+    and (accumulating) lane loops, and what ``_accumulate_in_registers`` takes once they are
+    bound."""
+    partial = sch.rfactor(lane, 0)
+    tile, warp, rows, steps, lane = sch.get_loops(partial)[-5:]
+    sch.reorder(lane, steps, rows)
+    # the shuffles' nest (tile, warp, rows, lanes) merged into the sums' loop by loop, which keeps
+    # its blocks' bindings in the split's terms (``reverse_compute_at`` rewrote a fused output's
+    # index into a form TVM no longer proves affine, and refused to bind its lanes)
+    shuffle_tile, shuffle_warp, shuffle_rows, shuffle_lane = sch.get_loops(block)[-4:]
+    if gpu:
+        sch.bind(shuffle_lane, "threadIdx.x")
+    tile = sch.merge(tile, shuffle_tile)
+    warp = sch.merge(warp, shuffle_warp)
+    sch.set_scope(partial, 0, "local")
+    return tile, warp, lane, (partial, steps, rows, shuffle_rows)
+
+
+def _accumulate_in_registers(sch: s_tir.Schedule, partial, steps, rows, shuffle_rows):
+    """The sums of ``_reduce_rows_together`` set to zero before their steps, and both loops over
+    their rows unrolled (the shuffles' by nvcc), so that each row's sum is a register (a loop that indexes them by its
+    variable puts them in local memory: 112 B of it in paper EfficientNet at fp32). After the
+    loops are bound: ``bind`` checks a block it finds without its initialization
+    (``decompose_reduction``) as neither complete nor a reduction, and refuses."""
+    sch.decompose_reduction(partial, steps)
+    sch.unroll(rows)
+    unrolled_by_nvcc(sch, [shuffle_rows])
+
+
+def unrolled_by_nvcc(sch: s_tir.Schedule, loops: list) -> None:
+    """``loops`` marked ``#pragma unroll`` for nvcc (unrolled in TIR, a row's reduction buffers
+    would be allocated once per copy, and a cross-thread reduction's left undefined)."""
+    for loop in loops:
+        sch.unroll(loop)
+        sch.annotate(loop, "pragma_unroll_explicit", False)
 
 
 def lower_cross_thread_reductions(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -357,13 +423,35 @@ def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: b
     """The schedules a stage may take, in order of preference on a tie: where it is a GEMM-shaped
     GPU stage, tensor cores (float16 or bfloat16 operands, or float32 ones in TF32 where ``tf32``;
     one candidate per tile) and dlight's SIMT matmul; then this module's own template, which every
-    stage has (``codegen.stage`` picks one by the latency model)."""
+    stage has, and on the GPU, where it is a GEMV-shaped warp_reduce, the same with each warp's
+    rows reduced together (``GEMV_ROWS_TOGETHER``; ``codegen.stage`` picks one by the latency
+    model)."""
     gemms = []
     if gpu and epilogue_mode != "shared":
         func = te.create_prim_func(placeholders + [gathered_operands(tensor)])
         matmul = matmul_stage(te.create_prim_func(placeholders + [widened_operands(tensor)]), threads)
         gemms = tensor_core_stages(func, threads, tf32) + ([matmul] if matmul else [])
-    return gemms + [_own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)]
+    own = _own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)
+    together = []
+    reduction = stage_reduction(tensor)
+    if gpu and epilogue_mode == "shared" and own[1].template == "warp_reduce" and own[1].n_tiles > GRID_WAVE \
+            and reduction is not None \
+            and warp_outputs(reduction) == 1 and shares_loads_along_rows(reduction) \
+            and all(str(p.dtype) in ("float16", "bfloat16") for p in placeholders if len(p.shape) > 1):
+        # a tile within one row of the last axis, so that TVM indexes each lane's sums by the
+        # row within the warp alone: tiles straddling paper EfficientNet's 14-wide maps at fp32
+        # indexed them through the tile's divisions by 196 and 14, which put them in local memory
+        # (112 B), and a register epilogue over a warp's rows straddling two got a loop whose
+        # trip count depends on the tile, which the thread-level validator refused
+        last = int(reduction.op.axis[-1].dom.extent)
+        for rows in GEMV_ROWS_TOGETHER:
+            if last % (threads // WARP * rows):
+                continue
+            try:
+                together.append(_own_schedule(tensor, placeholders, gpu, threads, epilogue_mode, rows))
+            except ScheduleError:
+                continue  # tiles of that many rows its epilogue cannot take: not a candidate
+    return gemms + [own] + together
 
 
 def gathered_operands(tensor: te.Tensor) -> te.Tensor:
@@ -524,7 +612,7 @@ def _as_float32(tensor: te.Tensor) -> te.Tensor:
 
 
 def _own_schedule(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int,
-                  epilogue_mode: str | None) -> tuple[tirx.PrimFunc, StageSchedule]:
+                  epilogue_mode: str | None, rows_together: int = 1) -> tuple[tirx.PrimFunc, StageSchedule]:
     """``schedule_stage``'s template. A reduction that each thread computes alone
     (``thread_reduce``) gets a copy as its register epilogue: the thread sums in a register and
     stores once. Written in place, the output would be loaded and stored at every reduction
@@ -537,7 +625,10 @@ def _own_schedule(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, t
         tensor, epilogue_mode = te.compute(tensor.shape, lambda *i: tensor(*i), name=tensor.op.name), "register"
     reduction = stage_reduction(tensor)
     per_warp = None if reduction is None else warp_outputs(reduction)
-    func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, epilogue_mode, per_warp)
+    if rows_together > 1:
+        per_warp = rows_together
+    func, schedule = schedule_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, epilogue_mode, per_warp,
+                                    together=rows_together > 1)
     if epilogue_mode is None:
         return func, schedule
     outputs = product_of(int(d) for d in tensor.shape)

@@ -17,7 +17,7 @@ from tvm_ffi import structural_equal
 from analysis.affine import recompute
 from analysis.dependence import tensor_loads
 from analysis.device import DeviceModel
-from codegen.latency import stage_seconds
+from codegen.latency import stage_estimate, stage_seconds
 from codegen.row_resident import schedule_row_resident
 from codegen.schedule import THREADS, schedule_candidates
 from codegen.staged import Loop, Stage, StagedProgram
@@ -130,11 +130,13 @@ class _Stager(Stitcher):
 
     def stage(self, name: str, tensor: te.Tensor, placeholders: list[te.Tensor], reads: list[BufferRef],
               write: BufferRef, epilogue: str | None = None) -> Stage:
-        """The stage with the schedule the latency model estimates fastest on ``device`` (the
-        first candidate, dlight's matmul where it applies, on a tie or with no device), among
+        """The stage with the schedule the latency model estimates fastest on ``device``, among
         those whose shared memory a block of ``device`` can have (the ``tc-depth-128`` variant's
         128 x 128 tiles in a ring of three copies of 128 terms would take 204 KB, more than an
-        A100's block)."""
+        A100's block). On a tie, the first candidate (with no device, the first), except between
+        warp_reduce ones, which differ in the rows a warp reduces together: alone, a GEMV reads
+        its weight from DRAM, and they tie on those bytes where the program keeps the weight on
+        chip (paper LSTM's gate product), so the one whose other limits add up to less."""
         label = self.unique(name)
         tuned = None if self.database is None else \
             self.database.schedule(label, workload(tensor, placeholders), self.threads, self.device.arch)
@@ -151,7 +153,14 @@ class _Stager(Stitcher):
         if len(stages) == 1 or self.device is None:
             return stages[0]
         traffic = stage_traffic(stages[0])  # the same bytes whichever schedule reads them
-        return min(stages, key=lambda stage: stage_seconds(stage, self.device, traffic))
+
+        def cost(stage: Stage) -> tuple[float, float]:
+            seconds = stage_seconds(stage, self.device, traffic)
+            if stage.schedule.template != "warp_reduce":
+                return seconds, 0.0
+            return seconds, sum(stage_estimate(stage, self.device, traffic).times.values())
+
+        return min(stages, key=cost)
 
     def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
         name_of = {t.op: n for n, t in region.tensors.items()}

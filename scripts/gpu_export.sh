@@ -42,6 +42,7 @@ export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir"
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models resnext efficientnet --variant dlight-order
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert --variant no-96-row-tiles
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert --variant no-aligned-tiles
+"${export[@]}" --configs paper --levels 4 --precisions fp16 --models lstm --variant no-rows-together
 "${export[@]}" --configs paper --levels 0 1 2 --models lstm bert resnext mmoe
 # the slowest to build come last, nvcc's cache or not: EfficientNet's and Swin's O0-O2 (hundreds of
 # kernels; 12.5 minutes for EfficientNet's O2 on a 2-core machine) and EfficientNet at fp16 (its

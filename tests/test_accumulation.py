@@ -16,7 +16,7 @@ from analysis.threads import device_functions
 from codegen.cuda import device_module
 import codegen.schedule
 from codegen.row_resident import statistics_of
-from codegen.schedule import MATMUL_MICRO, MATMUL_VTHREADS, WARP, schedule_te
+from codegen.schedule import MATMUL_MICRO, MATMUL_VTHREADS, WARP, schedule_te, stage_reduction
 from souffle import models
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
@@ -122,6 +122,15 @@ def _row_arrays(staged) -> set[tuple[str, int]]:
     return arrays
 
 
+def _rows_together_arrays(staged) -> set[tuple[str, int]]:
+    """(local array, elements) of a warp_reduce stage whose warps reduce rows together: each
+    lane's sum of each of its warp's rows (``codegen.schedule._reduce_rows_together``), indexed
+    by constants once unrolled (paper LSTM: 48 registers, nothing in local memory, ptxas)."""
+    return {(f"{stage_reduction(stage.tensor).op.name}_rf_local_ptr", stage.schedule.rows_together)
+            for stage in staged.stages()
+            if stage.schedule.template == "warp_reduce" and stage.schedule.rows_together > 1}
+
+
 def _model_accumulations(name: str, config: str, level: int) -> list[str]:
     """The global accumulations of the model's kernels, and their per-thread arrays of more than
     one element (an epilogue's results indexed differently from its reduction's kept a whole
@@ -133,7 +142,7 @@ def _model_accumulations(name: str, config: str, level: int) -> list[str]:
     # a matmul stage's register tile (dlight's rule): its accumulators per thread, indexed
     # by constants once unrolled (ptxas keeps them in registers: tests/test_matmul_stage.py)
     tile = MATMUL_VTHREADS * math.prod(MATMUL_MICRO)
-    by_design = _row_arrays(run.irs["staged"])
+    by_design = _row_arrays(run.irs["staged"]) | _rows_together_arrays(run.irs["staged"])
     return found + [f"local array {name}[{n}]" for name, n in arrays
                     if int(n) > 1 and "shared" not in name and (re.sub(r"_\d+$", "", name), int(n)) not in by_design
                     and not ("_reindex" in name and "_local" in name and int(n) == tile)]
