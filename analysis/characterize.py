@@ -91,10 +91,16 @@ def same_elements_axis(reduction: te.Tensor, max_extent: int) -> int | None:
     last = reduction.op.axis[-1]
     if int(last.dom.extent) > max_extent:
         return None
-    for load in tensor_loads(reduction.op.body[0]):
-        if any(v.same_as(last.var) for index in load.indices for v in tirx.analysis.undefined_vars(index)):
-            return None
+    if any(indexed_by_last_axis(load, reduction) for load in tensor_loads(reduction.op.body[0])):
+        return None
     return int(last.dom.extent)
+
+
+def indexed_by_last_axis(load, reduction: te.Tensor) -> bool:
+    """Whether ``load`` (one of ``reduction``'s ``tensor_loads``) reads another element at each
+    point of ``reduction``'s last output axis: its indices use that axis."""
+    last = reduction.op.axis[-1].var
+    return any(v.same_as(last) for index in load.indices for v in tirx.analysis.undefined_vars(index))
 
 
 def shares_loads_along_rows(reduction: te.Tensor) -> bool:
@@ -103,9 +109,7 @@ def shares_loads_along_rows(reduction: te.Tensor) -> bool:
     matrix, so rows reduced together load the vector once for all of them."""
     if not reduction.op.reduce_axis or not reduction.op.axis or int(reduction.op.axis[-1].dom.extent) < 2:
         return False
-    last = reduction.op.axis[-1].var
-    indexed = [any(v.same_as(last) for index in load.indices for v in tirx.analysis.undefined_vars(index))
-               for load in tensor_loads(reduction.op.body[0])]
+    indexed = [indexed_by_last_axis(load, reduction) for load in tensor_loads(reduction.op.body[0])]
     return any(indexed) and not all(indexed)
 
 

@@ -44,7 +44,7 @@ from tvm import te, tirx
 from tvm_ffi import structural_equal
 
 from analysis.affine import unravel
-from analysis.characterize import count_flops, is_gemm
+from analysis.characterize import count_flops, indexed_by_last_axis, is_gemm
 from analysis.dependence import count_points, iteration_domain, tensor_loads
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimate, MemoryAccess, StageEstimate,
@@ -290,9 +290,9 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
             result_sectors = 1
             on_chip_steps = rows * SHUFFLE_ROUNDS
             if together > 1:  # a load its rows share (a GEMV's vector) is one load for all of them
-                shared = [load for load in loads if not _indexed_by_rows(load, reduction)]
+                shared = [load for load in loads if not indexed_by_last_axis(load, reduction)]
                 loads_of(shared, lanes, -(-results // together) * per_lane)
-                loads = [load for load in loads if _indexed_by_rows(load, reduction)]
+                loads = [load for load in loads if indexed_by_last_axis(load, reduction)]
         loads_of(loads, lanes, instructions)
         if all(a.space == "shared" for a in accesses):
             memory_steps, on_chip_steps = 0, on_chip_steps + steps
@@ -559,13 +559,6 @@ def _padded_flops(stage: Stage, reduction: te.Tensor, products_per_tile: int) ->
 
 
 # -- one warp's accesses, evaluated at a representative warp --------------------------------------
-def _indexed_by_rows(load, reduction: te.Tensor) -> bool:
-    """Whether ``load``'s element changes along ``reduction``'s last output axis, the one a warp's
-    rows run along."""
-    last = reduction.op.axis[-1].var
-    return any(v.same_as(last) for index in load.indices for v in tirx.analysis.undefined_vars(index))
-
-
 def _loads(tensor: te.Tensor) -> list:
     """The loads ``tensor``'s body issues, each distinct (tensor, indices) once: nvcc loads an
     element the expression reads twice (an inlined ``x * sigmoid(x)``) once."""

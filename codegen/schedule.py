@@ -244,10 +244,9 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         tile, warp, *_ = sch.split(fused, [None, warps] + ([per_tile // warps] if per_tile > warps else []))
         r = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
         _, lane = sch.split(r, [None, WARP])
-        holder = warp
         if together and per_tile > warps:
             tile, warp, lane, sums = _reduce_rows_together(sch, block, lane, gpu)
-            holder = warp
+        holder = warp
     else:
         tile, warp, lane = sch.split(fused, [None, warps, WARP])
         holder = lane
@@ -309,10 +308,10 @@ def _reduce_rows_together(sch: s_tir.Schedule, block, lane, gpu: bool):
 
 def _accumulate_in_registers(sch: s_tir.Schedule, partial, steps, rows, shuffle_rows):
     """The sums of ``_reduce_rows_together`` set to zero before their steps, and both loops over
-    their rows unrolled (the shuffles' by nvcc), so that each row's sum is a register (a loop that indexes them by its
-    variable puts them in local memory: 112 B of it in paper EfficientNet at fp32). After the
-    loops are bound: ``bind`` checks a block it finds without its initialization
-    (``decompose_reduction``) as neither complete nor a reduction, and refuses."""
+    their rows unrolled (the shuffles' by nvcc), so that each row's sum is a register: a loop
+    indexing them by its variable would put them in local memory. After the loops are bound:
+    ``bind`` checks a block it finds without its initialization (``decompose_reduction``) as
+    neither complete nor a reduction, and refuses."""
     sch.decompose_reduction(partial, steps)
     sch.unroll(rows)
     unrolled_by_nvcc(sch, [shuffle_rows])
@@ -441,8 +440,7 @@ def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: b
         # a tile within one row of the last axis, so that TVM indexes each lane's sums by the
         # row within the warp alone: tiles straddling paper EfficientNet's 14-wide maps at fp32
         # indexed them through the tile's divisions by 196 and 14, which put them in local memory
-        # (112 B), and a register epilogue over a warp's rows straddling two got a loop whose
-        # trip count depends on the tile, which the thread-level validator refused
+        # (112 B, ptxas)
         last = int(reduction.op.axis[-1].dom.extent)
         for rows in GEMV_ROWS_TOGETHER:
             if last % (threads // WARP * rows):
