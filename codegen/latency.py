@@ -129,11 +129,15 @@ def stage_seconds(stage: Stage, device: DeviceModel, traffic: StageTraffic | Non
     return stage_estimate(stage, device, traffic).seconds
 
 
-def stage_estimate(stage: Stage, device: DeviceModel, traffic: StageTraffic | None = None) -> StageEstimate:
-    """``stage_seconds``' estimate, with the five times it is the largest of."""
+def stage_estimate(stage: Stage, device: DeviceModel, traffic: StageTraffic | None = None,
+                   blocks_per_sm: int | None = None) -> StageEstimate:
+    """``stage_seconds``' estimate, with the five times it is the largest of; ``blocks_per_sm``:
+    in a kernel of at most that many blocks per SM (its own registers and shared memory may allow
+    fewer), not its own grid."""
     schedule = stage.schedule
     occupancy = co_resident_grid(stage_registers(stage), schedule.shared_bytes, device, schedule.threads)
-    work = _stage_work(stage, 1, min(occupancy.grid, schedule.n_tiles), occupancy.blocks_per_sm,
+    blocks = occupancy.blocks_per_sm if blocks_per_sm is None else min(occupancy.blocks_per_sm, blocks_per_sm)
+    work = _stage_work(stage, 1, min(blocks * device.sms, schedule.n_tiles), blocks,
                        Dram.counted(traffic or stage_traffic(stage)))
     return estimate_stage(work, device)
 
@@ -467,7 +471,8 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     chunk of ``depth`` terms every thread copies its share of both operands' slices (``rows +
     columns`` rows) from global to shared memory, ``copy_vector`` float16, bfloat16 or float32 elements
     (16 bytes) per store, loaded in the instructions the schedule found (``_slice_copies``); the
-    block synchronizes; for each 16 terms (8 in TF32) each warp loads its
+    block synchronizes; for each 16 terms (8 in TF32) each of the tile's warps (the tensor cores
+    see those alone; a tile of 4 warps idles the block's other 4) loads its
     ``fragments_i + fragments_j`` fragments from shared memory (512 bytes each) and issues its
     ``mma_sync``s; the block synchronizes again. At the end each warp stores its accumulators to
     shared memory (1 KB per fragment), the block synchronizes, and the tile is read back and
@@ -477,7 +482,7 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     schedule = stage.schedule
     reduction = _reduction(stage)
     tile = schedule.tensor_core_tile
-    warps = schedule.threads // WARP
+    warps = tile.warps  # the tile's: a tile of fewer warps than the block's idles the others
     rows, cols = tile.rows, tile.columns
     terms = _reduction_length(reduction)
     chunks = -(-terms // tile.depth)
@@ -506,7 +511,7 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
     slices = (rows + cols) * chunks * tile.depth * element
     return StageWork(
         name=stage.name, template="tensor_core", dtype=peak_dtype, executions=executions,
-        n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
+        n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=warps * WARP, grid=grid,
         blocks_per_sm=blocks_per_sm, flops=flops, tensor_core=True, gemm=True, memory_steps=-(-chunks // in_flight) + 1,
         on_chip_steps=steps + 2, block_barriers=2 * chunks + 2, accesses=accesses, l2_read_bytes=slices,
         issued_flops=issued,

@@ -46,6 +46,7 @@ import numpy as np
 from analysis.characterize import stage_cost
 from analysis.device import DeviceModel, Occupancy, co_resident_grid
 from codegen.staged import Loop, Stage, StagedProgram, copy_items
+from codegen.tensor_core import WARP
 from codegen.traffic import memory_traffic
 from souffle.errors import GraphError, TargetError
 from souffle.passes import Outcome
@@ -64,9 +65,10 @@ from souffle.passes import Outcome
 # database (a MetaSchedule schedule, ``codegen.tuned``): its code is the tuner's, unknown until
 # ptxas; 128, the most any of this project's own stages but the tensor-core tiles needs, rounded up.
 REGISTER_ESTIMATES = {"elementwise": 32, "thread_reduce": 32, "warp_reduce": 64, "matmul": 80, "database": 128}
-# tensor_core (wmma fragments): each thread holds its share of the block tile's float32
-# accumulators (rows x columns / threads registers) on top of a base for its operand fragments and
-# addresses, TENSOR_CORE_BASE_REGISTERS, fitted to ptxas on sm_90 (tests/test_tensor_core.py).
+# tensor_core (wmma fragments): each thread of the tile's warps holds its share of the block tile's
+# float32 accumulators (rows x columns / the tile's threads registers; a tile of 4 warps in a block
+# of 8 leaves the others idle) on top of a base for its operand fragments and addresses,
+# TENSOR_CORE_BASE_REGISTERS, fitted to ptxas on sm_90 (tests/test_tensor_core.py).
 TENSOR_CORE_BASE_REGISTERS = 60
 
 # The fraction of an SM's thread slots at which a stage is taken to reach the device's throughput.
@@ -112,7 +114,7 @@ def stage_registers(stage: Stage) -> int:
     template = stage.schedule.template
     if template == "tensor_core":
         tile = stage.schedule.tensor_core_tile
-        return TENSOR_CORE_BASE_REGISTERS + tile.rows * tile.columns // stage.schedule.threads
+        return TENSOR_CORE_BASE_REGISTERS + tile.rows * tile.columns // (tile.warps * WARP)
     if template not in REGISTER_ESTIMATES:
         raise ValueError(f"stage {stage.name}: no register estimate for template {template!r} "
                          f"(known: {', '.join(REGISTER_ESTIMATES)}, tensor_core)")

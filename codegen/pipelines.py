@@ -37,7 +37,7 @@ from codegen.partition import partition_kernels
 from codegen.scale_past_matmul import scale_past_matmul
 from codegen.schedule import THREADS
 from codegen.schedule_cpu import schedule_cpu
-from codegen.stage import stage_program
+from codegen.stage import keep_occupancy, stage_program
 from codegen.stitch import stitch
 from codegen.sync import global_sync, kernel_per_stage
 from codegen.tuned import StageDatabase
@@ -141,6 +141,7 @@ CUDA = Pipeline("cuda", GRAPH, (
     Pass("stage", lambda program, o: _gpu_stages(program, o), STAGED, section="database"),
     Pass("align_tiles", lambda staged, o: Outcome(*align_tiles(staged, o.device)), STAGED, from_level=4,
          section="transform"),
+    Pass("keep_occupancy", lambda staged, o: Outcome(*keep_occupancy(staged, o.device)), STAGED, section="transform"),
     *SYNCHRONIZATION,
     Pass("kernel_plan", lambda staged, _: kernel_plan(staged), TIR),
     Pass("cuda_source", lambda plan, o: _source(plan, o.device.arch), CUDA_SOURCE),

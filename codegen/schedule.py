@@ -92,6 +92,14 @@ WARP_REDUCE_ROWS = 1
 # float32 weights (64 KB for paper LSTM) no longer fits a block's shared memory, where
 # ``codegen.on_chip`` keeps them, which the choice, made on the stage alone, cannot weigh.
 GEMV_ROWS_TOGETHER = (2, 4)
+# A tensor-core tile of fewer warps than the block's (``codegen.tensor_core.TILES``' 4-warp tiles;
+# the others idle through its fragments) is offered only for a GEMM of at most this many of its
+# tiles: one round of one tile an SM (the H200's and H100's 132), where the stage takes as long as
+# one SM's one tile and the idle warps cost nothing the grid had. Over more rounds they would,
+# which the latency model, taking an SM's throughputs whatever its warps, does not see; and their
+# accumulators (72 registers a thread for 96 x 96) take the kernel to one block an SM (paper Swin
+# fp16 was split into 7 kernels around its 4-warp stages, 665 -> 753 us on the H100 model).
+IDLE_WARPS_MAX_TILES = GRID_WAVE // 2
 # A reduction's last output axis up to this long whose outputs read the same elements (no load is
 # indexed by it: a row's moments, the sums of d and of d^2) goes to one warp whole (``warp_outputs``).
 SAME_ELEMENTS_AXIS_MAX = 4
@@ -830,13 +838,14 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
     float32 operands where ``tf32`` lets the tensor cores round them to TF32, with or without its
     register epilogue) on tensor cores, one schedule per tile of ``codegen.tensor_core.TILES``
     (``TF32_TILES``, whose fragments take float32 operands) that fits it (``codegen.tensor_core``),
-    folded and carried like ``matmul_stage``'s."""
+    folded and carried like ``matmul_stage``'s; a tile of fewer warps than the block's where the
+    GEMM is at most ``IDLE_WARPS_MAX_TILES`` of it."""
     if product_of(int(d) for d in func.params[-1].shape) < MATMUL_MIN_OUTPUTS:
         return []  # (an operand read under a condition is no bar: its copy is element-wise)
     found = []
     for tile in TILES + NARROW_TILES + (TF32_TILES + TF32_NARROW_TILES if tf32 else ()):
         stage = tensor_core_stage(func, tile, threads, NARROW_MIN_USE if tile.narrow else MATMUL_MIN_USE)
-        if stage is not None:
+        if stage is not None and (tile.warps * WARP == threads or stage[1].n_tiles <= IDLE_WARPS_MAX_TILES):
             found.append(stage)
     return found
 
@@ -1055,14 +1064,15 @@ class _BlockIslWriter(IslWriter):
 
 def _tile_relation(func: tirx.PrimFunc, nest: list[tirx.For]) -> isl.Map | None:
     """tile -> the output elements the tile writes: every block instance writing the output,
-    over the loops around it (their bounds, the block's guard), the tile being the ``nest`` of
-    block indices folded (``_fold_block_indices``), as an isl relation. None where an index is
+    over the loops around it (their bounds, the block's guard and the ``if``s around it: a tile of
+    fewer warps than the block's, ``codegen.tensor_core._idle_warps``), the tile being the ``nest``
+    of block indices folded (``_fold_block_indices``), as an isl relation. None where an index is
     not quasi-affine in the loops."""
     output = func.params[-1]
-    found = list(_writes_to(func.body, output, []))
+    found = list(_writes_to(func.body, output, [], []))
     if len(found) != 1:
         return None
-    loops, realize = found[0]
+    loops, conditions, realize = found[0]
     names = [(loop.loop_var, f"l{k}") for k, loop in enumerate(loops)]
     block = realize.block
     writer = _BlockIslWriter(names, {iv.var: value for iv, value in zip(block.iter_vars, realize.iter_values)})
@@ -1071,31 +1081,36 @@ def _tile_relation(func: tirx.PrimFunc, nest: list[tirx.For]) -> isl.Map | None:
         return None
     try:
         indices = [writer.aff(r.min).text for r in region.region]
-        guard = writer.condition(realize.predicate)
+        guards = [writer.condition(c) for c in [*conditions, realize.predicate]]
     except NotAffine:
         return None
     bounds = [f"{_constant(loop.min)} <= {name} < {_constant(loop.min) + _constant(loop.extent)}"
               for loop, (_, name) in zip(loops, names)]
     folded = " + ".join(f"{stride} * {name}" for (_, name), stride in zip(names, _tile_strides(nest)))
     outs = [f"o{d}" for d in range(len(indices))]
-    condition = " and ".join(bounds + [guard, f"t = {folded}"] + [f"{o} = {i}" for o, i in zip(outs, indices)])
+    condition = " and ".join(bounds + guards + [f"t = {folded}"] + [f"{o} = {i}" for o, i in zip(outs, indices)])
     return isl.Map(f"{{ [t] -> [{', '.join(outs)}] : exists ({', '.join(name for _, name in names)} : {condition}) }}")
 
 
-def _writes_to(stmt, buffer: tirx.Buffer, loops: list):
-    """(loops around it, outermost first; the realize) of each block of ``stmt`` writing ``buffer``."""
+def _writes_to(stmt, buffer: tirx.Buffer, loops: list, conditions: list):
+    """(loops around it, outermost first; the conditions of the ``if``s around it; the realize) of
+    each block of ``stmt`` writing ``buffer``."""
     if isinstance(stmt, s_tir.SBlockRealize):
         if any(r.source.same_as(buffer) for r in stmt.block.writes) and stmt.block.name_hint != "root":
-            yield loops, stmt
+            yield loops, conditions, stmt
             return
-        yield from _writes_to(stmt.block.body, buffer, loops)
+        yield from _writes_to(stmt.block.body, buffer, loops, conditions)
     elif isinstance(stmt, tirx.SeqStmt):
         for child in stmt.seq:
-            yield from _writes_to(child, buffer, loops)
+            yield from _writes_to(child, buffer, loops, conditions)
     elif isinstance(stmt, tirx.For):
-        yield from _writes_to(stmt.body, buffer, loops + [stmt])
-    elif isinstance(stmt, (s_tir.SBlock, tirx.IfThenElse)) or hasattr(stmt, "body"):
-        yield from _writes_to(stmt.body if not isinstance(stmt, tirx.IfThenElse) else stmt.then_case, buffer, loops)
+        yield from _writes_to(stmt.body, buffer, loops + [stmt], conditions)
+    elif isinstance(stmt, tirx.IfThenElse):
+        yield from _writes_to(stmt.then_case, buffer, loops, conditions + [stmt.condition])
+        if stmt.else_case is not None:
+            yield from _writes_to(stmt.else_case, buffer, loops, conditions + [tirx.Not(stmt.condition)])
+    elif isinstance(stmt, s_tir.SBlock) or hasattr(stmt, "body"):
+        yield from _writes_to(stmt.body, buffer, loops, conditions)
 
 
 def _tile_box(relation: isl.Map) -> tuple[int, ...]:

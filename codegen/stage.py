@@ -11,15 +11,18 @@ slots that ``codegen.arena`` later lays out. Nothing synchronizes yet: ``codegen
 
 from __future__ import annotations
 
+import dataclasses
+
 from tvm import te, tirx
 from tvm_ffi import structural_equal
 
 from analysis.affine import recompute
 from analysis.dependence import tensor_loads
-from analysis.device import DeviceModel
+from analysis.device import DeviceModel, co_resident_grid
 from codegen.latency import stage_estimate, stage_seconds
+from codegen.partition import stage_registers
 from codegen.row_resident import schedule_row_resident
-from codegen.schedule import THREADS, schedule_candidates
+from codegen.schedule import THREADS, WARP, schedule_candidates
 from codegen.staged import Loop, Stage, StagedProgram
 from codegen.stitch import BufferRef, Stitcher
 from codegen.traffic import stage_traffic
@@ -160,7 +163,11 @@ class _Stager(Stitcher):
                 return seconds, 0.0
             return seconds, sum(stage_estimate(stage, self.device, traffic).times.values())
 
-        return min(stages, key=cost)
+        fastest = min(stages, key=cost)
+        full_warp = [s for s in stages if not idles_warps(s)]
+        if idles_warps(fastest) and full_warp:
+            fastest.full_warp = min(full_warp, key=cost)
+        return fastest
 
     def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
         name_of = {t.op: n for n, t in region.tensors.items()}
@@ -199,6 +206,79 @@ class _Stager(Stitcher):
 
     def make_loop(self, var: tirx.Var, trips: int, body: list, name: str) -> Loop:
         return Loop(name, var, trips, body)
+
+
+def idles_warps(stage: Stage) -> bool:
+    """Whether ``stage``'s tile leaves some of the block's warps idle (a tensor-core tile of 4
+    warps in a block of 8, ``codegen.tensor_core.TILES``)."""
+    tile = stage.schedule.tensor_core_tile
+    return tile is not None and tile.warps * WARP < stage.schedule.threads
+
+
+def keep_occupancy(staged: StagedProgram, device: DeviceModel | None) -> tuple[StagedProgram, list[str]]:
+    """The ``keep_occupancy`` pass: the stages whose tiles idle warps (a tile of 4 warps' 72
+    accumulator registers a thread for 96 x 96) were chosen alone, but the kernel runs every stage
+    at the fewest blocks per SM any of its stages allows. For each level of blocks per SM those
+    stages allow, the ones allowing fewer take back their fastest candidate on all the block's
+    warps (``Stage.full_warp``), and the latency model sums every stage's executions at the
+    kernel's blocks per SM that leaves; the level of the least sum is kept (on a tie, the most
+    tiles kept). Paper Swin fp16's 96 x 96 tiles of 4 warps (1 block/SM) split it into 7 kernels
+    where its other stages allow 2 blocks/SM (H100 model 665 -> 753 us); paper BERT fp16 runs at
+    1 block/SM whatever it takes (its whole-row scores tile, after ``align_tiles``, allows 1). A
+    note for each stage taken back."""
+    stages = staged.stages()
+    idle = [s for s in stages if s.full_warp is not None and idles_warps(s)]
+    if device is None or not idle:
+        return staged, []
+
+    def blocks(stage: Stage) -> int:
+        return co_resident_grid(stage_registers(stage), stage.schedule.shared_bytes, device,
+                                stage.schedule.threads).blocks_per_sm
+
+    executions: dict[str, int] = {}
+
+    def count(items: list, runs: int):
+        for item in items:
+            if isinstance(item, Loop):
+                count(item.items, runs * item.trips)
+            else:
+                executions[item.name] = runs
+
+    count(staged.items, 1)
+    names = {s.name for s in idle}
+    others = [s for s in stages if s.name not in names]
+    levels = sorted({blocks(s) for s in idle})  # the first keeps every one
+    lowest = min(blocks(s) for s in [*idle, *(s.full_warp for s in idle), *others])
+    # a stage of at most a round of one block an SM takes as long at any level: left out of the sums
+    affected = [s for s in others if s.schedule.n_tiles > device.sms * lowest]
+    traffic: dict[str, object] = {}
+
+    def seconds(stage: Stage, level: int) -> float:
+        if stage.name not in traffic:
+            traffic[stage.name] = stage_traffic(stage)
+        return executions[stage.name] * stage_estimate(stage, device, traffic[stage.name], level).seconds
+
+    def option(level: int) -> tuple[float, dict[str, Stage]]:
+        taken = {s.name: s if blocks(s) >= level else s.full_warp for s in idle}
+        kernel = min(blocks(s) for s in [*taken.values(), *others])
+        return sum(seconds(s, kernel) for s in [*taken.values(), *affected]), taken
+
+    options = [option(level) for level in levels] + [option(max(blocks(s) for s in stages) + 1)]
+    total, taken = min(options, key=lambda o: o[0])  # first: the most idle-warp tiles kept
+    notes = [f"{stage.name}: {stage.full_warp.schedule.tensor_core_tile or stage.full_warp.schedule.template} "
+             f"on all {stage.schedule.threads // WARP} warps, not {stage.schedule.tensor_core_tile} "
+             f"({blocks(stage)} blocks/SM): the stages the kernel's blocks per SM change, {options[0][0] * 1e6:.4g} -> "
+             f"{total * 1e6:.4g} us "
+             f"on {device.name}" for stage in idle if taken[stage.name] is not stage]
+    if not notes:
+        return staged, []
+    swapped = {stage.name: taken[stage.name] for stage in idle if taken[stage.name] is not stage}
+
+    def replaced(items: list) -> list:
+        return [dataclasses.replace(item, items=replaced(item.items)) if isinstance(item, Loop)
+                else swapped.get(item.name, item) for item in items]
+
+    return dataclasses.replace(staged, items=replaced(staged.items)), notes
 
 
 def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS,

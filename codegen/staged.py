@@ -77,6 +77,9 @@ class Stage:
     # stage (``codegen.row_resident``), ``tensor`` the output that reads its rows' statistics
     epilogue: str | None = None
     on_chip: dict[int, OnChip] = field(default_factory=dict)  # read index -> the weight read from shared memory
+    # where this stage's tile leaves some of the block's warps idle (``codegen.stage.idles_warps``):
+    # its fastest candidate on all of them, which ``codegen.stage.keep_occupancy`` may take instead
+    full_warp: Stage | None = None
 
     def read_relation(self, placeholder: te.Tensor) -> tuple[isl.Map, bool]:
         """Output element -> the elements of ``placeholder`` it reads (through the fused

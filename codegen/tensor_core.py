@@ -5,13 +5,14 @@ persistent kernel: float16 or bfloat16 operands, or float32 ones multiplied in T
 dlight's rule binds its own block, 16 warps of 4 x 2 fragments each (128 x 128 tiles), and
 software-pipeline annotations; the persistent kernel has one block shape for every stage
 (``codegen.schedule.THREADS``). This is the same schedule, step for step, with the warps and
-fragments a ``TensorCoreTile`` says, for ``threads / 32`` warps:
+fragments a ``TensorCoreTile`` says, for ``threads / 32`` warps or a divisor of them (a tile of 4
+warps in a block of 8: the other 4 idle through the fragments, ``_idle_warps``):
 
 - both operands are staged through shared memory one chunk of ``k_fragments`` x 16 terms (x 8 in
   TF32) at a time (rows padded by 8 elements, as dlight pads them, so that a fragment's rows fall on
   different banks), copied 16 bytes at a time (``COPY_BYTES``: 8 float16 or bfloat16 elements, 4
   float32) by all the block's threads;
-- each warp loads 16 x 16 fragments of both slices and accumulates ``fragments_i x fragments_j``
+- each of the tile's warps loads 16 x 16 fragments of both slices and accumulates ``fragments_i x fragments_j``
   16 x 16 x 16 products with ``mma_sync`` (TVM's wmma intrinsics, ``tensor_intrin.cuda``);
 - the accumulators go through shared memory (a tile of float32, rows not padded: dlight's
   padding of it does not survive its ``reverse_compute_at``) to the output, where the stage's
@@ -166,12 +167,19 @@ class TensorCoreTile:
 # Copies of the slices in the cp.async ring of the wide tiles: two chunks in flight while the warps
 # compute on a third (a 128 x 128 tile's slices: 108 KB of shared memory, 36 KB a copy).
 ASYNC_STAGES = 3
-# The tiles a stage may take on 8 warps (the latency model picks one per stage): 128 x 128 reuses
-# each slice most, 64 x 64 gives a small GEMM (paper BERT's 384 x 768) enough tiles for the SMs.
-# 96 x 128 sits between them: paper BERT's FFN GEMMs (384 rows) are 96 tiles of it against 72 of
-# 128 x 128 for the H100's 132 SMs, each warp loading 5 fragments for 6 products where 128 x 128
-# loads 6 for 8 (H100 model: 6.9-7.0 to 5.7-5.8 us each).
-TILES = tuple(TensorCoreTile(2, 4, i, j, async_stages=ASYNC_STAGES) for i, j in ((4, 2), (3, 2), (2, 2), (2, 1)))
+# The tiles a stage may take (the latency model picks one per stage). On the block's 8 warps:
+# 128 x 128 reuses each slice most, 64 x 64 gives a small GEMM (paper BERT's 384 x 768) enough
+# tiles for the SMs. 96 x 128 sits between them: paper BERT's FFN GEMMs (384 rows) are 96 tiles of
+# it against 72 of 128 x 128 for the H100's 132 SMs, each warp loading 5 fragments for 6 products
+# where 128 x 128 loads 6 for 8 (H100 model: 6.9-7.0 to 5.7-5.8 us each).
+# On 4 warps, the block's other 4 idle through the fragments (they copy the slices): a GEMM of one
+# partial round of tiles takes as long as its busiest SM's tile, and each warp's fragment loads from
+# shared memory, not the tensor cores, bound that tile. Fewer warps, each with more fragments,
+# load fewer for the same products: 96 x 96 is 2 x 2 warps of 3 x 3, 6 loads for 9 products, and
+# paper BERT's FFN GEMMs are 128 tiles of it (H100 model: 5.7-5.8 to 4.0-4.2 us, 32% to 44-47% of
+# the peak); 128 x 128 is 4 x 4 fragments a warp, 8 loads for 16.
+TILES = tuple(TensorCoreTile(2, 4, i, j, async_stages=ASYNC_STAGES) for i, j in ((4, 2), (3, 2), (2, 2), (2, 1))) + \
+    tuple(TensorCoreTile(2, 2, i, j, async_stages=ASYNC_STAGES) for i, j in ((4, 4), (3, 3), (2, 2)))
 # The same tiles for float32 operands in TF32: m16n16k8 fragments, 32 terms a chunk, so that the
 # float32 slices take the shared memory of the 16-bit tiles' 64 terms.
 # Their ring of cp.async copies is two deep: three copies of a 128 x 128 tile's float32 slices
@@ -526,7 +534,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     computed under a condition (``codegen.schedule.gathered_operands``) is copied element-wise.
     Returned with the tile as scheduled: one that asks for cp.async copies of operands that are not
     read in whole vectors (``_copies_whole_vectors``) gets the register pipeline instead."""
-    if tile.warps * WARP != threads:
+    if threads % (tile.warps * WARP):
         return None
     sch = s_tir.Schedule(func)
     reductions = get_reduction_blocks(sch, sch.get_child_blocks(get_root_block(sch)))
@@ -575,8 +583,10 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     if extents is None:
         return None
     _, rows, columns, depth = extents
-    if tile.narrow and columns > NARROW_COLUMNS and any(_fills(rows, columns, wide, wide_min_use) for wide in TILES):
-        return None  # a narrow tile is for a GEMM that no wide tile fills to ``wide_min_use``
+    if tile.narrow and columns > NARROW_COLUMNS and any(_fills(rows, columns, wide, wide_min_use) for wide in TILES
+                                                        if wide.warps * WARP == threads):
+        # a narrow tile is for a GEMM that no wide tile of the block's warps fills to ``wide_min_use``
+        return None
     if not _fills(rows, columns, tile, min_use):
         return None
     # a padded vector would be read or stored in part: the condition must hold for all of it
@@ -625,7 +635,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         # vector select loads every element of the vector, those the condition excludes too
         # (TVM vectorizes one whose indices are a ramp: a padded input read along its rows)
         width = widths[index]
-        _, copy_warp, lane, vector = sch.split(fused, [None, tile.warps, WARP, width])
+        _, copy_warp, lane, vector = sch.split(fused, [None, threads // WARP, WARP, width])
         sch.bind(lane, "threadIdx.x")
         sch.bind(copy_warp, "threadIdx.y")
         if width > 1:
@@ -702,4 +712,63 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     sch.bind(lane, "threadIdx.x")
     if tile.store_vector > 1:
         sch.vectorize(vector)
+    if tile.warps * WARP < threads:
+        sch = s_tir.Schedule(_idle_warps(sch.mod["main"], sch.get(warp), threads // WARP))
     return sch, tile
+
+
+def _idle_warps(func: tirx.PrimFunc, warp: tirx.For, warps: int) -> tirx.PrimFunc:
+    """``func`` with its loop ``warp`` over a tile's warps (``threadIdx.y``, fewer than the block's
+    ``warps``) widened to the block's warps, each statement under it that only the tile's warps may
+    run (a chunk's fragment loads and products, the accumulators' stores, their copy out) in one
+    ``if`` on the warp: the others idle through them. The slices' copies, in their own loops over
+    all the block's warps, the ``__syncthreads`` and cp.async waits between them, and the
+    accumulators' zeroing (registers only) stay every warp's.
+
+    One ``if`` around a chunk's products, not a predicate on each fragment's block: under a
+    condition each, nvcc selected every fragment between its old and new value, which kept both
+    live (paper BERT fp16 spilled 3.5 KB at 255 registers); with the zeroing under one too, it
+    still selected the accumulators (1.6 KB); as here, 232 registers and none."""
+    var, extent = warp.loop_var, warp.extent
+
+    def realizes(stmt) -> list:
+        """The outermost block realizes in ``stmt``."""
+        if isinstance(stmt, s_tir.SBlockRealize):
+            return [stmt]
+        if isinstance(stmt, tirx.SeqStmt):
+            return [r for child in stmt.seq for r in realizes(child)]
+        if isinstance(stmt, tirx.For):
+            return realizes(stmt.body)
+        return []
+
+    def uses_var(realize: s_tir.SBlockRealize) -> bool:
+        found = []
+        for value in realize.iter_values:
+            tvm_ffi.structural_walk(value, lambda node: found.append(node) if node.same_as(var) else None)
+        return bool(found)
+
+    def registers_only(realize: s_tir.SBlockRealize) -> bool:
+        """A block that reads nothing and writes only fragments (the accumulators' initialization):
+        every warp may run it, on its own registers."""
+        block = realize.block
+        return not block.reads and all(w.source.scope().startswith("wmma.") for w in block.writes)
+
+    def guarded(stmt):
+        inner = realizes(stmt)
+        if not any(uses_var(r) for r in inner) or all(registers_only(r) for r in inner):
+            return stmt
+        if all(uses_var(r) for r in inner):
+            return tirx.IfThenElse(var < extent, stmt, None)
+        if isinstance(stmt, tirx.SeqStmt):
+            return tirx.SeqStmt([guarded(child) for child in stmt.seq])
+        if isinstance(stmt, tirx.For):
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, guarded(stmt.body), stmt.thread_binding,
+                            stmt.annotations)
+        raise ValueError(f"tile of {int(extent)} warps: cannot guard {type(stmt).__name__} for the idle warps")
+
+    def widened(loop: tirx.For):
+        if not loop.same_as(warp):
+            return loop
+        return tirx.For(var, loop.min, warps, loop.kind, guarded(loop.body), loop.thread_binding, loop.annotations)
+
+    return func.with_body(tvm_ffi.structural_map(func.body, [(tirx.For, widened)]))

@@ -26,9 +26,10 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs the ho
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 BF16 = ml_dtypes.bfloat16
-# A (M x K) times W (N x K) transposed: one 128 x 128 tile, two 96 x 128 (the second padded past
-# the rows), two 64 x 128, four 64 x 64
-M, N, K = 128, 128, 256
+# A (M x K) times W (N x K) transposed, on 8 warps a tile: four 128 x 128 tiles (padded past the
+# rows and columns), four 96 x 128 (padded past the columns), six 64 x 128, nine 64 x 64; on 4
+# warps four 128 x 128, four 96 x 96, nine 64 x 64
+M, N, K = 192, 192, 128
 
 
 def _dense(m: int, n: int, k: int, accumulator: str = "float32"):
@@ -70,12 +71,12 @@ def _emulate(func, schedule, arrays: dict[str, np.ndarray], outputs: dict[str, t
 
 
 def test_a_bfloat16_dense_is_scheduled_on_tensor_cores_with_bfloat16_fragments(stages):
-    assert [s.box for _, s in stages] == [(128, 128), (96, 128), (64, 128), (64, 64)]
+    assert [s.box for _, s in stages] == [(128, 128), (96, 128), (64, 128), (64, 64), (128, 128), (96, 96), (64, 64)]
     assert [s.tensor_core_tile for _, s in stages] == list(UNPIPELINED)
     for name in wmma_intrinsics("bfloat16").values():
         assert s_tir.TensorIntrin.get(name, allow_missing=True) is not None, name
     for func, schedule in stages:
-        assert schedule.template == "tensor_core" and schedule.n_tiles == -(-M // schedule.box[0]) * (N // schedule.box[1])
+        assert schedule.template == "tensor_core" and schedule.n_tiles == -(-M // schedule.box[0]) * -(-N // schedule.box[1])
         text = func.script()
         for intrinsic in ("tvm_fill_fragment", "tvm_load_matrix_sync", "tvm_mma_sync", "tvm_store_matrix_sync"):
             assert f"T.{intrinsic}(" in text, intrinsic

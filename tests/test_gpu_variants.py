@@ -124,14 +124,19 @@ def test_no_96_row_tiles_leaves_the_other_wide_tiles():
 
     from test_tensor_core import _dense
 
-    def boxes():
-        return [s.box for _, s in schedule.tensor_core_stages(_dense(256, 256, 128))]
+    def tiles():
+        return [(s.box, s.tensor_core_tile.warps) for _, s in schedule.tensor_core_stages(_dense(256, 256, 128))]
 
-    assert boxes() == [(128, 128), (96, 128), (64, 128), (64, 64)]
+    default = [((128, 128), 8), ((96, 128), 8), ((64, 128), 8), ((64, 64), 8), ((128, 128), 4), ((96, 96), 4),
+               ((64, 64), 4)]
+    assert tiles() == default
     with gpu_variants.applied("no-96-row-tiles"):
-        assert boxes() == [(128, 128), (64, 128), (64, 64)]
+        assert tiles() == [t for t in default if t[0][0] != 96]
         assert all(tile.rows != 96 for tile in schedule.TF32_TILES)
-    assert boxes() == [(128, 128), (96, 128), (64, 128), (64, 64)]
+    with gpu_variants.applied("eight-warp-tiles"):
+        assert tiles() == [t for t in default if t[1] == 8]
+        assert all(tile.warps == 8 for tile in schedule.TF32_TILES)
+    assert tiles() == default
 
 
 @pytest.mark.usefixtures("tensor_cores_wherever_they_apply")

@@ -35,7 +35,7 @@ def test_every_target_has_one_declared_pipeline():
     synchronization = ["kernel_per_stage", "global_sync", "place_barriers", "partition", "keep_weights_on_chip",
                        "plan_arena"]
     # the tiles are aligned for a GPU's latency model only: the CPU runs the stages as they are
-    assert CUDA.names == front + ["align_tiles"] + synchronization + ["kernel_plan", "cuda_source",
+    assert CUDA.names == front + ["align_tiles", "keep_occupancy"] + synchronization + ["kernel_plan", "cuda_source",
                                                                        "validate_threads", "nvcc", "co_residency"]
     assert LLVM_PERSISTENT.names == front + synchronization + ["staged_function", "build"]
     assert CUDA_EMULATED.names == CUDA.names + ["emulated_build"]

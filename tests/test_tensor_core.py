@@ -54,12 +54,14 @@ def _dense(m: int, n: int, k: int, dtype: str = "float16"):
 
 def test_a_dense_gets_one_candidate_per_tile_that_fits_it():
     stages = tensor_core_stages(_dense(256, 256, 128))
-    assert [s.box for _, s in stages] == [(128, 128), (96, 128), (64, 128), (64, 64)]
+    # 8 warps a tile, then 4 (the block's other 4 idle through the products)
+    assert [s.box for _, s in stages] == [(128, 128), (96, 128), (64, 128), (64, 64), (128, 128), (96, 96), (64, 64)]
     assert [s.tensor_core_tile for _, s in stages] == list(TILES)
+    assert [s.tensor_core_tile.warps for _, s in stages] == [8, 8, 8, 8, 4, 4, 4]
     for func, schedule in stages:
         assert schedule.template == "tensor_core" and schedule.threads == 256
-        # 96-row tiles: 3 of them a column, the last padded to 288 rows
-        assert schedule.n_tiles == -(-256 // schedule.box[0]) * (256 // schedule.box[1])
+        # 96-row (and -column) tiles: 3 of them a column (a row), the last padded to 288
+        assert schedule.n_tiles == -(-256 // schedule.box[0]) * -(-256 // schedule.box[1])
         tiles = isl.Map(schedule.tile_relation)
         assert tiles.range().is_equal(isl.Set("{ [i, j] : 0 <= i < 256 and 0 <= j < 256 }"))
         assert tiles.reverse().is_single_valued()  # no element in two tiles
@@ -84,21 +86,24 @@ def test_tensor_cores_are_not_used_where_they_do_not_fit():
                           and s.tensor_core_tile.copies_async
                           and [c.width for c in s.tensor_core_tile.warp_copies] == [8, 8] for _, s in stages)
     # 40 rows: 128- and 96-row tiles would be a third or less used; the 64-row ones write boxes of 40 rows
-    wide = {(tile.rows, tile.columns): tile for tile in TILES}
+    wide = {(tile.rows, tile.columns, tile.warps): tile for tile in TILES}
     assert [(s.tensor_core_tile, s.box) for _, s in tensor_core_stages(_dense(40, 256, 64))] == \
-        [(wide[64, 128], (40, 128)), (wide[64, 64], (40, 64))]
+        [(wide[64, 128, 8], (40, 128)), (wide[64, 64, 8], (40, 64)), (wide[64, 64, 4], (40, 64))]
     assert tensor_core_stages(_dense(16, 64, 64)) == []  # fewer outputs than one SIMT tile
     assert matmul_stage(_dense(256, 256, 128)) is not None  # the SIMT form stays a candidate
 
 
 def test_a_gemm_that_no_wide_tile_fills_half_takes_the_narrow_tiles():
     """Paper EfficientNet's projection of 480 channels to 80 at 14 x 14 (196 x 80 x 480): every
-    wide tile would be under half used (196 x 80 of 256 x 128 padded), the narrow ones are 77%
-    and 64% used. 112 columns fill the wide tiles to two thirds: no narrow tile then."""
+    wide tile of 8 warps would be under half used (196 x 80 of 256 x 128 padded), the narrow ones
+    are 77% and 64% used (and the 96 x 96 tile of 4 warps 57%). 112 columns fill the wide tiles of 8 warps to two thirds: no narrow tile then."""
     stages = tensor_core_stages(_dense(196, 80, 480))
-    assert [s.tensor_core_tile for _, s in stages] == list(NARROW_TILES)
-    assert [s.n_tiles for _, s in stages] == [2 * 5, 4 * 3]
-    assert [s.tensor_core_tile for _, s in tensor_core_stages(_dense(196, 112, 480))] == list(TILES)
+    (quarter,) = [tile for tile in TILES if (tile.rows, tile.columns) == (96, 96)]
+    assert [s.tensor_core_tile for _, s in stages] == [quarter, *NARROW_TILES]
+    assert [s.n_tiles for _, s in stages] == [3, 2 * 5, 4 * 3]
+    # (all the wide tiles but 96 x 96 on 4 warps: 196 x 112 of 288 x 192 padded is 40% used)
+    assert [s.tensor_core_tile for _, s in tensor_core_stages(_dense(196, 112, 480))] == \
+        [tile for tile in TILES if (tile.rows, tile.columns) != (96, 96)]
 
 
 def test_every_candidate_fills_its_padded_tiles_to_the_minimum():
@@ -119,14 +124,15 @@ def test_a_gemm_of_partial_tiles_is_padded_and_only_its_own_elements_are_written
     """dlight's padding (``pad_einsum``): 100 x 132 outputs in 64 x 64 tiles, 72 terms in two
     chunks of 64. The tiles write the GEMM's elements only, and each read of an operand past its
     edge is a branch around the vector load."""
-    (stage,) = tensor_core_stages(_dense(100, 132, 72))  # larger tiles would be less than half used
-    func, schedule = stage
-    assert schedule.box == (64, 64) and schedule.n_tiles == 2 * 3
-    tiles = isl.Map(schedule.tile_relation)
-    assert tiles.range().is_equal(isl.Set("{ [i, j] : 0 <= i < 100 and 0 <= j < 132 }"))
-    assert tiles.reverse().is_single_valued()
-    text = func.script()
-    assert "< 100" in text and "< 132" in text and "< 72" in text  # the rows', columns' and terms' edges
+    stages = tensor_core_stages(_dense(100, 132, 72))  # larger tiles would be less than half used
+    assert [s.tensor_core_tile.warps for _, s in stages] == [8, 4]  # 64 x 64 on 8 warps and on 4
+    for func, schedule in stages:
+        assert schedule.box == (64, 64) and schedule.n_tiles == 2 * 3
+        tiles = isl.Map(schedule.tile_relation)
+        assert tiles.range().is_equal(isl.Set("{ [i, j] : 0 <= i < 100 and 0 <= j < 132 }"))
+        assert tiles.reverse().is_single_valued()
+        text = func.script()
+        assert "< 100" in text and "< 132" in text and "< 72" in text  # the rows', columns' and terms' edges
 
 
 def _relu_dense(m: int, n: int, k: int, narrow=np.float16):
