@@ -115,6 +115,13 @@ def _without_96_row_tiles() -> list:
             for name in ("TILES", "TF32_TILES")]
 
 
+def _eight_warp_tiles() -> list:
+    from codegen import schedule
+
+    return [mock.patch.object(schedule, name, tuple(t for t in getattr(schedule, name) if t.warps * 32 == schedule.THREADS))
+            for name in ("TILES", "TF32_TILES")]
+
+
 def _unaligned_tiles() -> list:
     from codegen import pipelines
 
@@ -204,11 +211,19 @@ VARIANTS = {
         "registers during this one's arithmetic hide?",
         _unpipelined_gemms),
     "no-96-row-tiles": Variant(
-        "the wide tensor-core tiles without 96 x 128 (2 x 4 warps of 3 x 2 fragments): paper BERT fp16's FFN "
+        "the wide tensor-core tiles without those of 96 rows (96 x 128, 2 x 4 warps of 3 x 2 fragments, and 96 x 96 "
+        "on 4 warps): paper BERT fp16's FFN "
         "GEMMs (384 rows) in 72 tiles of 128 x 128 for the H100's 132 SMs, as the third run timed them, not 96 "
         "of 96 x 128 with 5 fragment loads for 6 products where 128 x 128 has 6 for 8 (H100 model: 5.7-5.8 us "
         "each against 6.9-7.0); do the SMs filled pay for the fragment loads?",
         _without_96_row_tiles),
+    "eight-warp-tiles": Variant(
+        "tensor-core tiles on all 8 warps of the block only, not also 4-warp tiles with the other 4 idle through "
+        "the fragments (codegen.tensor_core.TILES): paper BERT fp16's FFN GEMMs back to 96 tiles of 96 x 128 "
+        "(3 x 2 fragments a warp: 5 fragment loads for 6 products) for 132 SMs, not 128 of 96 x 96 (3 x 3: 6 "
+        "for 9), its attention output and P.V on 8 warps of 2 x 1 (H100 model 413 -> 349 us with them); do the "
+        "fewer fragment loads pay for the warps idle, or do 4 warps an SM not hide the loads' latency?",
+        _eight_warp_tiles),
     "no-aligned-tiles": Variant(
         "each softmax a warp a row in tiles of 8 rows and its scores in the tile the model picks alone, with a grid "
         "barrier on either side of the softmax, not tiled like the product that reads it (codegen.align_tiles: "

@@ -41,6 +41,7 @@ export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir"
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert resnext --variant 8-byte-copies
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models resnext efficientnet --variant dlight-order
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert --variant no-96-row-tiles
+"${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert --variant eight-warp-tiles
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert --variant no-aligned-tiles
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models lstm --variant no-rows-together
 "${export[@]}" --configs paper --levels 0 1 2 --models lstm bert resnext mmoe
