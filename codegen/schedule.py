@@ -92,14 +92,6 @@ WARP_REDUCE_ROWS = 1
 # float32 weights (64 KB for paper LSTM) no longer fits a block's shared memory, where
 # ``codegen.on_chip`` keeps them, which the choice, made on the stage alone, cannot weigh.
 GEMV_ROWS_TOGETHER = (2, 4)
-# A tensor-core tile of fewer warps than the block's (``codegen.tensor_core.TILES``' 4-warp tiles;
-# the others idle through its fragments) is offered only for a GEMM of at most this many of its
-# tiles: one round of one tile an SM (the H200's and H100's 132), where the stage takes as long as
-# one SM's one tile and the idle warps cost nothing the grid had. Over more rounds they would,
-# which the latency model, taking an SM's throughputs whatever its warps, does not see; and their
-# accumulators (72 registers a thread for 96 x 96) take the kernel to one block an SM (paper Swin
-# fp16 was split into 7 kernels around its 4-warp stages, 665 -> 753 us on the H100 model).
-IDLE_WARPS_MAX_TILES = GRID_WAVE // 2
 # A reduction's last output axis up to this long whose outputs read the same elements (no load is
 # indexed by it: a row's moments, the sums of d and of d^2) goes to one warp whole (``warp_outputs``).
 SAME_ELEMENTS_AXIS_MAX = 4
@@ -838,14 +830,13 @@ def tensor_core_stages(func: tirx.PrimFunc, threads: int = THREADS,
     float32 operands where ``tf32`` lets the tensor cores round them to TF32, with or without its
     register epilogue) on tensor cores, one schedule per tile of ``codegen.tensor_core.TILES``
     (``TF32_TILES``, whose fragments take float32 operands) that fits it (``codegen.tensor_core``),
-    folded and carried like ``matmul_stage``'s; a tile of fewer warps than the block's where the
-    GEMM is at most ``IDLE_WARPS_MAX_TILES`` of it."""
+    folded and carried like ``matmul_stage``'s."""
     if product_of(int(d) for d in func.params[-1].shape) < MATMUL_MIN_OUTPUTS:
         return []  # (an operand read under a condition is no bar: its copy is element-wise)
     found = []
     for tile in TILES + NARROW_TILES + (TF32_TILES + TF32_NARROW_TILES if tf32 else ()):
         stage = tensor_core_stage(func, tile, threads, NARROW_MIN_USE if tile.narrow else MATMUL_MIN_USE)
-        if stage is not None and (tile.warps * WARP == threads or stage[1].n_tiles <= IDLE_WARPS_MAX_TILES):
+        if stage is not None:
             found.append(stage)
     return found
 

@@ -19,7 +19,7 @@ from tvm_ffi import structural_equal
 from analysis.affine import recompute
 from analysis.dependence import tensor_loads
 from analysis.device import DeviceModel, co_resident_grid
-from codegen.latency import stage_estimate, stage_seconds
+from codegen.latency import kernel_runs, stage_estimate, stage_seconds
 from codegen.partition import stage_registers
 from codegen.row_resident import schedule_row_resident
 from codegen.schedule import THREADS, WARP, schedule_candidates
@@ -163,10 +163,11 @@ class _Stager(Stitcher):
                 return seconds, 0.0
             return seconds, sum(stage_estimate(stage, self.device, traffic).times.values())
 
-        fastest = min(stages, key=cost)
+        costs = {id(stage): cost(stage) for stage in stages}
+        fastest = min(stages, key=lambda stage: costs[id(stage)])
         full_warp = [s for s in stages if not idles_warps(s)]
         if idles_warps(fastest) and full_warp:
-            fastest.full_warp = min(full_warp, key=cost)
+            fastest.full_warp = min(full_warp, key=lambda stage: costs[id(stage)])
         return fastest
 
     def region(self, region: Region, refs: dict[str, BufferRef]) -> list:
@@ -235,16 +236,7 @@ def keep_occupancy(staged: StagedProgram, device: DeviceModel | None) -> tuple[S
         return co_resident_grid(stage_registers(stage), stage.schedule.shared_bytes, device,
                                 stage.schedule.threads).blocks_per_sm
 
-    executions: dict[str, int] = {}
-
-    def count(items: list, runs: int):
-        for item in items:
-            if isinstance(item, Loop):
-                count(item.items, runs * item.trips)
-            else:
-                executions[item.name] = runs
-
-    count(staged.items, 1)
+    executions = {stage.name: runs for stage, _, runs in kernel_runs(staged.items) if isinstance(stage, Stage)}
     names = {s.name for s in idle}
     others = [s for s in stages if s.name not in names]
     levels = sorted({blocks(s) for s in idle})  # the first keeps every one
@@ -265,14 +257,13 @@ def keep_occupancy(staged: StagedProgram, device: DeviceModel | None) -> tuple[S
 
     options = [option(level) for level in levels] + [option(max(blocks(s) for s in stages) + 1)]
     total, taken = min(options, key=lambda o: o[0])  # first: the most idle-warp tiles kept
+    swapped = {stage.name: taken[stage.name] for stage in idle if taken[stage.name] is not stage}
+    if not swapped:
+        return staged, []
     notes = [f"{stage.name}: {stage.full_warp.schedule.tensor_core_tile or stage.full_warp.schedule.template} "
              f"on all {stage.schedule.threads // WARP} warps, not {stage.schedule.tensor_core_tile} "
              f"({blocks(stage)} blocks/SM): the stages the kernel's blocks per SM change, {options[0][0] * 1e6:.4g} -> "
-             f"{total * 1e6:.4g} us "
-             f"on {device.name}" for stage in idle if taken[stage.name] is not stage]
-    if not notes:
-        return staged, []
-    swapped = {stage.name: taken[stage.name] for stage in idle if taken[stage.name] is not stage}
+             f"{total * 1e6:.4g} us on {device.name}" for stage in idle if stage.name in swapped]
 
     def replaced(items: list) -> list:
         return [dataclasses.replace(item, items=replaced(item.items)) if isinstance(item, Loop)

@@ -180,6 +180,14 @@ ASYNC_STAGES = 3
 # the peak); 128 x 128 is 4 x 4 fragments a warp, 8 loads for 16.
 TILES = tuple(TensorCoreTile(2, 4, i, j, async_stages=ASYNC_STAGES) for i, j in ((4, 2), (3, 2), (2, 2), (2, 1))) + \
     tuple(TensorCoreTile(2, 2, i, j, async_stages=ASYNC_STAGES) for i, j in ((4, 4), (3, 3), (2, 2)))
+# A tensor-core tile of fewer warps than the block's (``TILES``' 4-warp tiles; the others idle
+# through its fragments) is offered only for a GEMM of at most this many of its
+# tiles: one round of one tile an SM (the H200's and H100's 132), where the stage takes as long as
+# one SM's one tile and the idle warps cost nothing the grid had. Over more rounds they would,
+# which the latency model, taking an SM's throughputs whatever its warps, does not see. (What their
+# accumulators, 72 registers a thread for 96 x 96, cost a kernel's blocks per SM is weighed by
+# ``codegen.stage.keep_occupancy``.) Checked on the GEMM's extents before it is scheduled.
+IDLE_WARPS_MAX_TILES = 132
 # The same tiles for float32 operands in TF32: m16n16k8 fragments, 32 terms a chunk, so that the
 # float32 slices take the shared memory of the 16-bit tiles' 64 terms.
 # Their ring of cp.async copies is two deep: three copies of a 128 x 128 tile's float32 slices
@@ -527,7 +535,8 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     """``func`` (one GEMM-shaped reduction of float16 or bfloat16 operands into float32, with or
     without its element-wise epilogue) scheduled on tensor cores in ``tile``s for blocks of
     ``threads`` threads, padded to whole tiles, or None where it does not fit: other dtypes, not
-    GEMM-shaped, terms not whole vectors, a tile of other than ``threads / 32`` warps,
+    GEMM-shaped, terms not whole vectors, a tile of other than a divisor of ``threads / 32`` warps,
+    one of fewer warps for more than ``IDLE_WARPS_MAX_TILES`` tiles,
     or one whose padded tiles the GEMM's outputs would fill less than ``min_use`` of, or a narrow
     tile for a GEMM wider than ``NARROW_COLUMNS`` that a wide tile fills to ``wide_min_use``. Its
     tiles are bound to ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them. An operand
@@ -582,7 +591,10 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     extents = gemm_extents(sch, main)
     if extents is None:
         return None
-    _, rows, columns, depth = extents
+    batches, rows, columns, depth = extents
+    if tile.warps * WARP < threads and \
+            batches * -(-rows // tile.rows) * -(-columns // tile.columns) > IDLE_WARPS_MAX_TILES:
+        return None
     if tile.narrow and columns > NARROW_COLUMNS and any(_fills(rows, columns, wide, wide_min_use) for wide in TILES
                                                         if wide.warps * WARP == threads):
         # a narrow tile is for a GEMM that no wide tile of the block's warps fills to ``wide_min_use``

@@ -7,18 +7,14 @@ emulated CUDA threads against numpy, and on paper BERT fp16, whose FFN GEMMs tak
 
 from __future__ import annotations
 
-import importlib
 import shutil
-import sys
-from pathlib import Path
 
 import islpy as isl
-import ml_dtypes
 import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from tvm import s_tir, te, tirx, topi
+from tvm import s_tir, tirx
 
 import codegen.schedule
 import souffle
@@ -30,33 +26,12 @@ from codegen.stage import keep_occupancy
 from codegen.tensor_core import TILES, WARP, tensor_core_schedule
 from souffle import models
 from souffle.compiler import run_passes
-from souffle.graph import GraphBuilder
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-mutants = importlib.import_module("scripts.validate_mutants")
+from test_tensor_core import NARROW, _dense, _relu_dense, mutants
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler g++")
 
 (QUARTER,) = [tile for tile in TILES if (tile.rows, tile.columns) == (96, 96)]  # 2 x 2 warps of 3 x 3 fragments
-NARROW = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
-
-
-def _dense(m: int, n: int, k: int):
-    a, w = te.placeholder((m, k), "float16", name="A"), te.placeholder((n, k), "float16", name="W")
-    product = topi.nn.dense(a, w, out_dtype="float32")
-    return te.create_prim_func([a, w, te.compute(product.shape, lambda i, j: product[i, j].astype("float16"),
-                                                 name="C")])
-
-
-def _relu_dense(m: int, n: int, k: int, narrow=np.float16):
-    rng = np.random.default_rng(0)
-    builder = GraphBuilder("tc")
-    x = builder.input("x", (m, k))
-    w = builder.param("w", (rng.standard_normal((n, k)) * 0.1).astype(np.float32))
-    graph = builder.build(builder.op("relu", builder.op("dense", x, w)))
-    inputs = {"x": rng.standard_normal((m, k)).astype(np.float32)}
-    rounded = [inputs["x"].astype(narrow).astype(np.float32), graph.weights["w"].astype(narrow).astype(np.float32)]
-    return graph, inputs, np.maximum(rounded[0] @ rounded[1].T, 0)
 
 
 def _calls_by_guard(stmt, guards: tuple = ()) -> list[tuple[str, tuple]]:
