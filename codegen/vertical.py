@@ -15,7 +15,12 @@ product), it is stored in the GEMM's shape and its readers read it through the r
 element-wise TE stored for another reason (a reduction reads it) that reads a reduction through a
 reshape, each result at its own position: Swin's relative position bias added to the [256, 49, 49]
 scores read as [64, 4, 49, 49], which the softmax reads. In the scores' shape it is their epilogue
-(``codegen.epilogues``), not a stage of its own behind a grid barrier.
+(``codegen.epilogues``), not a stage of its own behind a grid barrier. The same goes for one that
+reads it through a permutation TVM can invert (``_in_permuted_order``: Swin's residual sum reading
+the attention projection through the window reverse), stored in the reduction's order.
+
+A value stored narrow for a reader that widens it (``_before_widening``) is what the value's
+other readers read: an element-wise TE inlined into that cast is not computed again elsewhere.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import islpy as isl
 import numpy as np
 import tvm
-from tvm import te
+from tvm import te, tirx
 from tvm_ffi import structural_equal
 
 from analysis.affine import Rewriter, reads_tensor, recompute, row_major, unravel
@@ -171,7 +176,11 @@ def _inline_region(region: Region, renamed: dict) -> Region:
         stored, view = relaid if relaid is not None else (rebuilt, None)
         narrow = None if stage.op in kept else _before_widening(stored)
         if narrow is not None:
-            stored, view = narrow, _widened(view, stored, narrow)
+            widened = _widened(view, stored, narrow)
+            cast_of = _widening_of_inlined(stage, inlined)
+            if cast_of is not None:
+                inlined[cast_of] = _widened(view, stored, narrow, widen=False)
+            stored, view = narrow, widened
         if view is not None:
             inlined[stage.op] = view
         new[stage.op] = renamed[stage.op] = stored
@@ -239,10 +248,61 @@ def _in_producer_shape(tensor: te.Tensor, reshaped_only: bool = False) -> tuple[
     for load in tensor_loads(stored.op.body[0]):
         if _is_reduction(load.tensor) and _size(load.tensor.shape) == size and \
                 not all(_at_axis(index, axis) for index, axis in zip(load.indices, stored.op.axis)):
-            return None
+            return _in_permuted_order(tensor) if reshaped_only else None
     view = te.compute(tensor.shape, lambda *a: stored(*_reshape_index(a, tensor.shape, shape)),
                       name=f"{tensor.op.name}_view")
     return stored, view
+
+
+def _in_permuted_order(tensor: te.Tensor) -> tuple[te.Tensor, te.Tensor] | None:
+    """``tensor`` as (the same values stored in the order of the one reduction of its size that
+    it reads, at one place, through a bijective affine map of its indices (TVM's
+    ``detect_iter_map``), that stored TE read back through the map), or None where it reads no
+    such reduction. Swin adds each attention block's projection, computed window by window, back
+    to the residual through the window reverse: stored in the projection's order, the sum is the
+    projection's epilogue, and its readers (the LayerNorm, the next residual sum) read it through
+    the reverse, a stage and a grid barrier fewer a block. (isl inverts the same map, but writes
+    the inverse of a flattening as dozens of pieces; ``inverse_affine_iter_map`` as the
+    flattening's own floor divisions. A roll is two places, and is left as it is.)"""
+    size = _size(tensor.shape)
+    producers = {t.op: t for t in tensor.op.input_tensors if _is_reduction(t) and _size(t.shape) == size}
+    if len(producers) != 1:
+        return None
+    (producer,) = producers.values()
+    loads = [load for load in tensor_loads(tensor.op.body[0]) if load.tensor.op.same_as(producer.op)]
+    if len(loads) != 1 or loads[0].conditions:
+        return None
+    domain = {ax.var: tvm.ir.Range(0, int(ax.dom.extent)) for ax in tensor.op.axis}
+    forward = tvm.sym.detect_iter_map(list(loads[0].indices), domain, check_level="bijective")
+    shape = [int(d) for d in producer.shape]
+    bounds = tvm.sym.Analyzer()
+    for var, extent in domain.items():
+        bounds.bind(var, extent)
+    # one-to-one, and within the producer's shape, which has as many elements: onto it
+    if not forward.indices or any(bound.min_value != 0 or bound.max_value != extent - 1 for bound, extent in
+                                  zip(map(bounds.const_int_bound, loads[0].indices), shape)):
+        return None
+    name = tensor.op.name
+
+    def stored_body(*j):
+        analyzer = tvm.sym.Analyzer()
+        for var, extent in zip(j, shape):
+            analyzer.bind(var, tvm.ir.Range(0, extent))
+        inverse = tvm.sym.inverse_affine_iter_map(forward.indices, list(j))
+        variables = {ax.var: analyzer.simplify(inverse[ax.var]) if ax.var in inverse else tirx.const(0, ax.var.ty)
+                     for ax in tensor.op.axis}
+        return Rewriter(variables, f"storing {name} in {producer.op.name}'s order",
+                        lambda read, indices: read(*j) if read.op.same_as(producer.op) else
+                        read(*(index if reads_tensor(index) else analyzer.simplify(index) for index in indices))
+                        )(tensor.op.body[0])
+
+    stored = te.compute(shape, stored_body, name=name, tag=tensor.op.tag)
+
+    def read_back(*i):
+        variables = dict(zip((ax.var for ax in tensor.op.axis), i))
+        return stored(*(Rewriter(variables, f"reading {name} back")(index) for index in loads[0].indices))
+
+    return stored, te.compute(tensor.shape, read_back, name=f"{name}_view")
 
 
 def _at_axis(index, axis) -> bool:
@@ -268,13 +328,34 @@ def _before_widening(tensor: te.Tensor) -> te.Tensor | None:
                       tag=tensor.op.tag)
 
 
-def _widened(view: te.Tensor | None, wide: te.Tensor, narrow: te.Tensor) -> te.Tensor:
+def _widened(view: te.Tensor | None, wide: te.Tensor, narrow: te.Tensor, widen: bool = True) -> te.Tensor:
     """What readers of ``wide`` read once it is stored as ``narrow``: ``view`` (a reshape of
-    ``wide``, or None for ``wide`` itself) with each load of ``wide`` a cast of ``narrow``'s."""
+    ``wide``, or None for ``wide`` itself) with each load of ``wide`` a cast of ``narrow``'s
+    (``widen``; else ``narrow``'s own values, what a reader of the narrow TE cast to ``wide`` reads)."""
+    def load(*index):
+        return narrow(*index).astype(wide.dtype) if widen else narrow(*index)
+
     if view is None:
-        return te.compute(wide.shape, lambda *i: narrow(*i).astype(wide.dtype), name=f"{wide.op.name}_widened")
-    return recompute(view, lambda t, idx, _: narrow(*idx).astype(wide.dtype) if t.op.same_as(wide.op) else t(*idx),
+        return te.compute(wide.shape, load, name=f"{wide.op.name}_{'widened' if widen else 'narrow'}")
+    return recompute(view, lambda t, idx, _: load(*idx) if t.op.same_as(wide.op) else t(*idx),
                      f"widening {wide.op.name}")
+
+
+def _widening_of_inlined(stage: te.Tensor, inlined: dict) -> te.Operation | None:
+    """The inlined TE that ``stage`` (as written, before inlining) widens element by element: its
+    body a cast of that TE at its own index, in its shape; else None. Stored narrow, ``stage``
+    holds that TE's values, which its other readers then read instead of computing them again:
+    Swin's residual sum, cast to float32 for a LayerNorm, was recomputed by the next residual sum
+    from every GEMM result since the block's first (its fourth read twelve tensors), and each GEMM,
+    read twice, had no epilogue (``codegen.epilogues``)."""
+    body = stage.op.body[0]
+    if not isinstance(body, tvm.tirx.Cast) or not is_call_to(body.value, TENSOR_LOAD):
+        return None
+    source, *indices = body.value.args
+    if source.op not in inlined or [int(d) for d in source.shape] != [int(d) for d in stage.shape]:
+        return None
+    own = len(indices) == len(stage.op.axis) and all(structural_equal(i, ax.var) for i, ax in zip(indices, stage.op.axis))
+    return source.op if own else None
 
 
 def _squeezed(shape) -> list[int]:

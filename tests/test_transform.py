@@ -6,9 +6,11 @@ import pytest
 from tvm import te, tirx
 
 import souffle
+from analysis.characterize import is_gemm
 from codegen.pipelines import CUDA, OPT_LEVELS
 from codegen.traffic import memory_traffic
-from codegen.vertical import inlinable, pads, selects_elements, vertical
+from analysis.dependence import tensor_loads
+from codegen.vertical import _in_permuted_order, inlinable, pads, selects_elements, vertical
 from souffle.compiler import run_passes
 from souffle import models
 from souffle.errors import SouffleError
@@ -157,6 +159,118 @@ def test_a_widened_value_is_stored_narrow(monkeypatch):
     o1, o4 = (run_poisoned(souffle.compile(graph, "llvm-persistent", opt_level=level, precision="fp16"), x)[0]
               for level in (1, 4))
     np.testing.assert_array_equal(o4, o1)
+
+
+def _pre_norm_residuals():
+    """Two pre-LayerNorm residual blocks, Swin's MLP halves, small: x + dense(norm(x)), twice."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("residuals")
+    x = b.input("x", (64, 32))
+    for k in range(2):
+        normed = b.op("layer_norm", x, b.param(f"g{k}", rng.standard_normal(32).astype("float32")),
+                      b.param(f"beta{k}", rng.standard_normal(32).astype("float32")))
+        x = b.op("add", x, b.op("dense", normed, b.param(f"w{k}", rng.standard_normal((32, 32)).astype("float32"))),
+                 name="out" if k else None)
+    return b.build(x)
+
+
+def test_a_value_stored_narrow_is_read_not_recomputed():
+    """At fp16 a residual sum is rounded to float16 and widened for the LayerNorm after it, which
+    stores it narrow (``_before_widening``); the next residual sum reads that stored value. Before,
+    it recomputed the first sum from its operands (in Swin, from every GEMM result since the
+    stage's first), and the first block's GEMM, read by both sums, fused neither: here each GEMM
+    has its residual sum as its epilogue. O1 stores every TE: the same bits."""
+    graph = _pre_norm_residuals()
+    program = run_passes(graph, "cuda", stop="fuse_epilogues", opt_level=4, precision="fp16", device="h100").ir
+    (region,) = program.regions
+    gemms = [t for t in region.stages() if t.op.reduce_axis and is_gemm(t)]
+    epilogues = {producer.op: consumer for consumer, (producer, mode) in region.epilogues.items() if mode == "register"}
+    assert len(gemms) == 2 and all(g.op in epilogues for g in gemms)
+    first_sum, second_sum = (next(t for t in region.stages() if t.op.same_as(epilogues[g.op])) for g in gemms)
+    assert str(first_sum.dtype) == "float16"
+    assert first_sum.op in [t.op for t in second_sum.op.input_tensors]
+    assert gemms[0].op not in [t.op for t in second_sum.op.input_tensors]
+    x = {"x": np.random.default_rng(1).standard_normal((64, 32)).astype("float32")}
+    o1, o4 = (run_poisoned(souffle.compile(graph, "llvm-persistent", opt_level=level, precision="fp16"), x)[0]
+              for level in (1, 4))
+    np.testing.assert_array_equal(o4, o1)
+
+
+def _windowed_residual():
+    """Swin's attention half, small: x + reverse(dense(partition(norm(x)))), 4 x 4 windows of an
+    8 x 8 map, then a LayerNorm."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("windows")
+    x = b.input("x", (1, 8, 8, 16))
+
+    def norm(t, k):
+        return b.op("layer_norm", t, b.param(f"g{k}", rng.standard_normal(16).astype("float32")),
+                    b.param(f"beta{k}", rng.standard_normal(16).astype("float32")))
+
+    windows = b.op("reshape", b.op("transpose", b.op("reshape", norm(x, 0), shape=(1, 2, 4, 2, 4, 16)),
+                                   axes=(0, 1, 3, 2, 4, 5)), shape=(64, 16))
+    projected = b.op("dense", windows, b.param("w", rng.standard_normal((16, 16)).astype("float32")))
+    reverse = b.op("reshape", b.op("transpose", b.op("reshape", projected, shape=(1, 2, 2, 4, 4, 16)),
+                                   axes=(0, 1, 3, 2, 4, 5)), shape=(1, 8, 8, 16))
+    return b.build(norm(b.op("add", x, reverse), 1))
+
+
+def _expected_windowed(graph, x):
+    def norm(t, k):
+        mean = t.mean(-1, keepdims=True)
+        return (t - mean) / np.sqrt(t.var(-1, keepdims=True) + 1e-5) * graph.weights[f"g{k}"] + graph.weights[f"beta{k}"]
+
+    windows = norm(x, 0).reshape(1, 2, 4, 2, 4, 16).transpose(0, 1, 3, 2, 4, 5).reshape(64, 16)
+    reverse = (windows @ graph.weights["w"].T).reshape(1, 2, 2, 4, 4, 16).transpose(0, 1, 3, 2, 4, 5)
+    return norm(x + reverse.reshape(1, 8, 8, 16), 1)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_sum_read_through_a_permutation_is_stored_in_its_gemms_order(precision):
+    """The residual sum reads the dense's result through the window reverse (a bijective affine
+    map, TVM's ``detect_iter_map``): it is stored in the dense's [64, 16] order, as the dense's
+    epilogue, and the LayerNorm reads it back through the reverse. Before, it was a stage of its
+    own in the map's order, behind a grid barrier. Against NumPy, and O1 (every TE stored) the
+    same bits."""
+    graph = _windowed_residual()
+    program = run_passes(graph, "cuda", stop="fuse_epilogues", opt_level=4, precision=precision, device="h100").ir
+    (region,) = program.regions
+    (dense,) = [t for t in region.stages() if t.op.reduce_axis and is_gemm(t)]
+    fused = [(consumer, mode) for consumer, (producer, mode) in region.epilogues.items() if producer.op.same_as(dense.op)]
+    assert len(fused) == 1, "the dense has no epilogue"
+    ((consumer, mode),) = fused
+    summed = next(t for t in region.stages() if t.op.same_as(consumer))
+    assert mode == "register" and [int(d) for d in summed.shape] == [64, 16]
+    x = {"x": np.random.default_rng(1).standard_normal((1, 8, 8, 16)).astype("float32")}
+    o1, o4 = (run_poisoned(souffle.compile(graph, "llvm-persistent", opt_level=level, precision=precision), x)[0]
+              for level in (1, 4))
+    np.testing.assert_array_equal(o4, o1)
+    tolerance = 1e-4 if precision == "fp32" else 2e-2
+    np.testing.assert_allclose(o4, _expected_windowed(graph, x["x"]), rtol=tolerance, atol=tolerance)
+
+
+def test_only_a_bijective_map_onto_the_reduction_is_inverted():
+    """``_in_permuted_order`` stores a sum in its reduction's order where it reads the reduction
+    at one place through a one-to-one map onto all of it (a transpose), not through a map that
+    skips elements, nor at two places (a roll's two pieces)."""
+    a, b = te.placeholder((8, 4), name="a"), te.placeholder((4, 8), name="b")
+    k = te.reduce_axis((0, 4), "k")
+    product = te.compute((8, 8), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="product")
+    residual = te.placeholder((8, 8), name="residual")
+    transposed = te.compute((8, 8), lambda i, j: product[j, i] + residual[i, j], name="transposed")
+    stored, view = _in_permuted_order(transposed)
+    assert [int(d) for d in stored.shape] == [8, 8]
+    loads = tensor_loads(stored.op.body[0])
+    assert [(load.tensor.op.name, [str(i) for i in load.indices]) for load in loads] == \
+        [("product", [ax.var.name for ax in stored.op.axis]),
+         ("residual", [ax.var.name for ax in reversed(stored.op.axis)])]
+    assert [load.tensor.op.name for load in tensor_loads(view.op.body[0])] == ["transposed"]
+    skipping = te.compute((8, 8), lambda i, j: product[(i * 3) % 8, j] + 1.0, name="skipping")
+    assert _in_permuted_order(skipping) is None  # one-to-one, but not affine for TVM's iter maps
+    halved = te.compute((8, 8), lambda i, j: product[i // 2, j] + 1.0, name="halved")
+    assert _in_permuted_order(halved) is None  # two elements read the same result
+    rolled = te.compute((8, 8), lambda i, j: tirx.Select(i < 7, product[i + 1, j], product[0, j]), name="rolled")
+    assert _in_permuted_order(rolled) is None
 
 
 def test_arithmetic_before_layout_into_a_gemm_is_stored_in_the_producers_layout():
