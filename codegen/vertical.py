@@ -278,9 +278,13 @@ def _in_permuted_order(tensor: te.Tensor) -> tuple[te.Tensor, te.Tensor] | None:
     bounds = tvm.sym.Analyzer()
     for var, extent in domain.items():
         bounds.bind(var, extent)
-    # one-to-one, and within the producer's shape, which has as many elements: onto it
+    # one-to-one, and within the producer's shape, which has as many elements: onto it. TVM 0.27's
+    # iter maps drop a constant inside a floormod (``(h + 3) % 8`` is detected as ``h``), so the
+    # map detected must also be the index as written.
     if not forward.indices or any(bound.min_value != 0 or bound.max_value != extent - 1 for bound, extent in
-                                  zip(map(bounds.const_int_bound, loads[0].indices), shape)):
+                                  zip(map(bounds.const_int_bound, loads[0].indices), shape)) or \
+            not all(bounds.can_prove_equal(tvm.sym.normalize_iter_map_to_expr(detected), index)
+                    for detected, index in zip(forward.indices, loads[0].indices)):
         return None
     name = tensor.op.name
 

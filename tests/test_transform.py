@@ -271,6 +271,10 @@ def test_only_a_bijective_map_onto_the_reduction_is_inverted():
     assert _in_permuted_order(halved) is None  # two elements read the same result
     rolled = te.compute((8, 8), lambda i, j: tirx.Select(i < 7, product[i + 1, j], product[0, j]), name="rolled")
     assert _in_permuted_order(rolled) is None
+    # one load, one-to-one and affine, but TVM's iter map detects (i + 1) % 8 as i: taken, the sum
+    # would be stored a row off
+    shifted = te.compute((8, 8), lambda i, j: product[tirx.floormod(i + 1, 8), j] + 1.0, name="shifted")
+    assert _in_permuted_order(shifted) is None
 
 
 def test_arithmetic_before_layout_into_a_gemm_is_stored_in_the_producers_layout():
