@@ -62,10 +62,12 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
             raise ScheduleError(f"block {sch.get(block).name_hint} reduces {reduced} terms, not a row of {width}")
         if gpu and not lanes_can_reduce(sch, block):
             raise ScheduleError(f"block {sch.get(block).name_hint}: TVM cannot reduce it across a warp's lanes")
+    warps = threads // WARP
+    if rows_per_warp == 1:
+        _flatten_rows(sch, statistics, output, warps)
     cached = _cached_reads(sch, statistics, output) if gpu and width % WARP == 0 else []
     loops = sch.get_loops(output)
     n_rows = product_of(loop_extent(sch, loop) for loop in loops[:-1])
-    warps = threads // WARP
     # a warp's rows of a tensor of the stage's rows (not a vector every row reads, nor a row
     # gathered by index) loaded together, ``together`` at a time, before they are reduced
     sources = [sch.get(statistics[0]).reads[index].source for index in cached]
@@ -171,6 +173,35 @@ def statistics_of(tensor: te.Tensor) -> list[te.Tensor]:
 
     visit(tensor)
     return list(found.values())
+
+
+def _flatten_rows(sch: s_tir.Schedule, statistics: list, output, warps: int) -> None:
+    """The blocks' row axes as one, where the output has several and the last is no multiple of
+    ``warps``. Fused after, then split a warp a row, TVM simplifies the bindings of rows whose
+    trailing axes' product is a multiple of the warps into forms its iter maps cannot follow
+    (paper Swin's softmax over [4, 16, 49, 49]: ``v_i1 = (t % 98 * 8 + w) // 49``), and its ``bind``
+    of the lanes refuses the stage; over one row axis the bindings are that axis's own split.
+    (A last axis of whole tiles, paper BERT's 384 rows, is split as it is.)"""
+    rows = len(sch.get_loops(output)) - 1
+    extents = [loop_extent(sch, loop) for loop in sch.get_loops(output)[:-1]]
+    if rows < 2 or extents[-1] % warps == 0:
+        return
+
+    def flat(index):
+        total = index[0]
+        for extent, axis in zip(extents[1:], index[1:]):
+            total = total * extent + axis
+        return total
+
+    index_dtype = str(sch.get(output).iter_vars[0].var.ty)
+
+    def flattened(ndim: int) -> tirx.IndexMap:
+        return tirx.IndexMap.from_func(lambda *v: (flat(v[:rows]), *v[rows:]), ndim=ndim, index_dtype=index_dtype)
+
+    for block in statistics:  # their buffers first, so that a row's results are one index of them
+        sch.transform_layout(block, ("write", 0), flattened(len(sch.get(block).writes[0].source.shape)))
+    for block in [*statistics, output]:
+        sch.transform_block_layout(block, flattened(len(sch.get(block).iter_vars)))
 
 
 def _cached_reads(sch: s_tir.Schedule, statistics: list, output) -> list[int]:

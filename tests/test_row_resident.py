@@ -53,7 +53,7 @@ FUSED = {"softmax": "T_softmax_maxelem+T_softmax_expsum+softmax_1",
 
 
 @pytest.mark.parametrize("kind", ["softmax", "layer_norm"])
-@pytest.mark.parametrize("shape", [(3, 10, 64), (5, 33), (64, 128)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 10, 64), (5, 33), (64, 128), (2, 8, 7, 49)], ids=str)
 def test_a_row_s_statistics_and_output_are_one_stage(kind, shape):
     """One stage, a warp a row: tiles of 8 rows (the last one partial where the rows are not a
     multiple of 8), no shared memory; at O4 no barrier inside the stage's program at all."""
@@ -85,11 +85,13 @@ def test_each_thread_loads_its_columns_of_the_row_once(kind):
 
 @pytest.mark.parametrize("order", ["ascending", "descending"])
 @pytest.mark.parametrize("kind", ["softmax", "layer_norm"])
-@pytest.mark.parametrize("shape", [(3, 10, 64), (5, 33), (2, 7, 96), (8, 96), (3, 40)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 10, 64), (5, 33), (2, 7, 96), (8, 96), (3, 40), (2, 8, 7, 49), (2, 8, 7, 64)],
+                         ids=str)
 def test_the_emulated_kernel_matches_torch(kind, shape, order):
     """Rows straddling a tile and a leading dimension, a partial last tile, a width of 33 (not
-    cached: its lanes past the row idle) and one of 96 (three columns a lane), and single tiles,
-    whose stage is simplified once its lanes' reductions are lowered."""
+    cached: its lanes past the row idle) and one of 96 (three columns a lane), single tiles,
+    whose stage is simplified once its lanes' reductions are lowered, and rows of several axes
+    whose last is no multiple of the warps (Swin's windows x heads x 49 rows), flattened first."""
     graph, reference = _graph(kind, shape)
     x = np.random.default_rng(1).standard_normal(shape).astype("float32") * 3
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
