@@ -33,7 +33,7 @@ from codegen.barriers import place_barriers, same_block
 from codegen.latency import stage_seconds
 from codegen.row_resident import schedule_row_resident
 from codegen.schedule import WARP, ScheduleError, whole_row_stage
-from codegen.staged import Loop, Stage, StagedProgram
+from codegen.staged import Loop, Stage, StagedProgram, replaced_stages
 
 
 def align_tiles(staged: StagedProgram, device: DeviceModel) -> tuple[StagedProgram, list[str]]:
@@ -52,7 +52,7 @@ def align_tiles(staged: StagedProgram, device: DeviceModel) -> tuple[StagedProgr
             barriers = place_barriers(staged).barrier_count(True)
         judged = []
         for changes, what in options:
-            trial = staged.with_items(_replaced(staged.items, changes))
+            trial = staged.with_items(replaced_stages(staged.items, changes))
             saved = barriers - place_barriers(trial).barrier_count(True)
             before = sum(stage_seconds(old, device) for old, _ in changes)
             after = sum(stage_seconds(new, device) for _, new in changes)
@@ -93,12 +93,6 @@ def _candidates(items: list, executions: int):
                 if any(_same_ref(ref, item.write) for ref in later.reads):
                     yield item, writer, later, executions
                     break
-
-
-def _replaced(items: list, changes: list) -> list:
-    new = {id(old): stage for old, stage in changes}
-    return [dataclasses.replace(item, items=_replaced(item.items, changes)) if isinstance(item, Loop)
-            else new.get(id(item), item) for item in items]
 
 
 def _options(stage: Stage, writer: Stage | None, reader: Stage, device: DeviceModel) -> list[tuple[list, str]]:

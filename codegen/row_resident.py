@@ -28,6 +28,7 @@ import tvm_ffi
 from tvm import s_tir, te, tirx
 from tvm.ir import expr as ir_expr
 
+from analysis.affine import row_major
 from analysis.dependence import sub_expressions
 from codegen.schedule import (SAME_ELEMENTS_AXIS_MAX, WARP, ScheduleError, StageSchedule, lanes_can_reduce, loop_extent,
                               outer_loop, product_of, unrolled_by_nvcc)
@@ -187,16 +188,11 @@ def _flatten_rows(sch: s_tir.Schedule, statistics: list, output, warps: int) -> 
     if rows < 2 or extents[-1] % warps == 0:
         return
 
-    def flat(index):
-        total = index[0]
-        for extent, axis in zip(extents[1:], index[1:]):
-            total = total * extent + axis
-        return total
-
     index_dtype = str(sch.get(output).iter_vars[0].var.ty)
 
     def flattened(ndim: int) -> tirx.IndexMap:
-        return tirx.IndexMap.from_func(lambda *v: (flat(v[:rows]), *v[rows:]), ndim=ndim, index_dtype=index_dtype)
+        return tirx.IndexMap.from_func(lambda *v: (row_major(v[:rows], extents), *v[rows:]), ndim=ndim,
+                                       index_dtype=index_dtype)
 
     for block in statistics:  # their buffers first, so that a row's results are one index of them
         sch.transform_layout(block, ("write", 0), flattened(len(sch.get(block).writes[0].source.shape)))

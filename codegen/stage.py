@@ -11,8 +11,6 @@ slots that ``codegen.arena`` later lays out. Nothing synchronizes yet: ``codegen
 
 from __future__ import annotations
 
-import dataclasses
-
 from tvm import te, tirx
 from tvm_ffi import structural_equal
 
@@ -23,7 +21,7 @@ from codegen.latency import kernel_runs, stage_estimate, stage_seconds
 from codegen.partition import stage_registers
 from codegen.row_resident import schedule_row_resident
 from codegen.schedule import THREADS, WARP, schedule_candidates
-from codegen.staged import Loop, Stage, StagedProgram
+from codegen.staged import Loop, Stage, StagedProgram, replaced_stages
 from codegen.stitch import BufferRef, Stitcher
 from codegen.traffic import stage_traffic
 from codegen.tuned import StageDatabase, workload
@@ -257,19 +255,14 @@ def keep_occupancy(staged: StagedProgram, device: DeviceModel | None) -> tuple[S
 
     options = [option(level) for level in levels] + [option(max(blocks(s) for s in stages) + 1)]
     total, taken = min(options, key=lambda o: o[0])  # first: the most idle-warp tiles kept
-    swapped = {stage.name: taken[stage.name] for stage in idle if taken[stage.name] is not stage}
+    swapped = [stage for stage in idle if taken[stage.name] is not stage]
     if not swapped:
         return staged, []
     notes = [f"{stage.name}: {stage.full_warp.schedule.tensor_core_tile or stage.full_warp.schedule.template} "
              f"on all {stage.schedule.threads // WARP} warps, not {stage.schedule.tensor_core_tile} "
              f"({blocks(stage)} blocks/SM): the stages the kernel's blocks per SM change, {options[0][0] * 1e6:.4g} -> "
-             f"{total * 1e6:.4g} us on {device.name}" for stage in idle if stage.name in swapped]
-
-    def replaced(items: list) -> list:
-        return [dataclasses.replace(item, items=replaced(item.items)) if isinstance(item, Loop)
-                else swapped.get(item.name, item) for item in items]
-
-    return dataclasses.replace(staged, items=replaced(staged.items)), notes
+             f"{total * 1e6:.4g} us on {device.name}" for stage in swapped]
+    return staged.with_items(replaced_stages(staged.items, [(stage, stage.full_warp) for stage in swapped])), notes
 
 
 def stage_program(program: TEProgram, gpu: bool, threads: int = THREADS,

@@ -226,6 +226,14 @@ def copy_items(items: list) -> list:
             for item in items]
 
 
+def replaced_stages(items: list, changes: list) -> list:
+    """``items`` with each stage of ``changes`` ((old stage, new stage) pairs, the old ones by
+    identity) replaced, loop bodies included; the rest shared."""
+    new = {id(old): stage for old, stage in changes}
+    return [dataclasses.replace(item, items=replaced_stages(item.items, changes)) if isinstance(item, Loop)
+            else new.get(id(item), item) for item in items]
+
+
 def synchronized(item) -> bool:
     """Whether every block waits for all others before ``item``: a grid barrier or a new kernel."""
     return item.barrier is not None or item.launch is not None

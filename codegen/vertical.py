@@ -289,16 +289,9 @@ def _in_permuted_order(tensor: te.Tensor) -> tuple[te.Tensor, te.Tensor] | None:
     name = tensor.op.name
 
     def stored_body(*j):
-        analyzer = tvm.sym.Analyzer()
-        for var, extent in zip(j, shape):
-            analyzer.bind(var, tvm.ir.Range(0, extent))
         inverse = tvm.sym.inverse_affine_iter_map(forward.indices, list(j))
-        variables = {ax.var: analyzer.simplify(inverse[ax.var]) if ax.var in inverse else tirx.const(0, ax.var.ty)
-                     for ax in tensor.op.axis}
-        return Rewriter(variables, f"storing {name} in {producer.op.name}'s order",
-                        lambda read, indices: read(*j) if read.op.same_as(producer.op) else
-                        read(*(index if reads_tensor(index) else analyzer.simplify(index) for index in indices))
-                        )(tensor.op.body[0])
+        return _body_at(tensor, j, shape, [inverse.get(ax.var, tirx.const(0, ax.var.ty)) for ax in tensor.op.axis],
+                        f"storing {name} in {producer.op.name}'s order", producer)
 
     stored = te.compute(shape, stored_body, name=name, tag=tensor.op.tag)
 
@@ -386,6 +379,14 @@ def _reshape_index(index, from_shape, to_shape) -> list:
 
 def _reshaped(tensor: te.Tensor, j, shape):
     """``tensor``'s body at the element of it that index ``j`` of ``shape`` is, loads simplified."""
+    return _body_at(tensor, j, shape, _reshape_index(j, shape, tensor.shape),
+                    f"storing {tensor.op.name} in its producer's shape")
+
+
+def _body_at(tensor: te.Tensor, j, shape, indices: list, where: str, producer: te.Tensor | None = None):
+    """``tensor``'s body at ``indices`` (expressions of ``j``, an index of ``shape``), indices and
+    loads simplified knowing ``j``'s ranges; ``producer``, where given, read at ``j`` itself (the
+    tensor it reads through the map ``indices`` inverts)."""
     analyzer = tvm.sym.Analyzer()
     for var, d in zip(j, shape):
         analyzer.bind(var, tvm.ir.Range(0, d))
@@ -393,9 +394,11 @@ def _reshaped(tensor: te.Tensor, j, shape):
     def simplify(index):
         return index if reads_tensor(index) else analyzer.simplify(index)
 
-    variables = {ax.var: simplify(i) for ax, i in zip(tensor.op.axis, _reshape_index(j, shape, tensor.shape))}
-    return Rewriter(variables, f"storing {tensor.op.name} in its producer's shape",
-                    lambda read, indices: read(*map(simplify, indices)))(tensor.op.body[0])
+    def load(read, loaded):
+        return read(*j) if producer is not None and read.op.same_as(producer.op) else read(*map(simplify, loaded))
+
+    variables = {ax.var: simplify(i) for ax, i in zip(tensor.op.axis, indices)}
+    return Rewriter(variables, where, load)(tensor.op.body[0])
 
 
 def _read_whole(stage: te.Tensor, users: list[te.Tensor]) -> bool:
