@@ -105,7 +105,7 @@ def _options(stage: Stage, writer: Stage | None, reader: Stage, device: DeviceMo
     warps = aligned.schedule.threads // WARP
     width = int(stage.tensor.shape[-1])
     rows = aligned.schedule.per_tile // width
-    what = (f"{stage.name}: {rows // warps} rows a warp, {aligned.schedule.n_tiles} tiles of {rows} rows, each "
+    what = (f"{stage.name}: {-(-rows // warps)} rows a warp, {aligned.schedule.n_tiles} tiles of {rows} rows, each "
             f"the rows tile t of {reader.name} reads")
     options = [([(stage, aligned)], what)]
     whole = None if writer is None else whole_row_stage(writer.tensor, writer.placeholders, writer.schedule.threads,
@@ -127,14 +127,15 @@ def _aligned_with(stage: Stage, reader: Stage) -> Stage | None:
     warps = stage.schedule.threads // WARP
     width = int(stage.tensor.shape[-1])
     rows = stage.schedule.outputs // width
-    if len(read) != 1 or stage.schedule.per_tile != warps * width or rows % (warps * reader.schedule.n_tiles):
+    if len(read) != 1 or stage.schedule.per_tile != warps * width or rows % reader.schedule.n_tiles:
         return None
-    rows_per_warp = rows // (warps * reader.schedule.n_tiles)
+    tile_rows = rows // reader.schedule.n_tiles
+    rows_per_warp = -(-tile_rows // warps)
     if rows_per_warp < 2:
         return None
     try:
         func, schedule = schedule_row_resident(stage.tensor, stage.placeholders, True, stage.schedule.threads,
-                                               rows_per_warp)
+                                               rows_per_warp, tile_rows)
     except ScheduleError:
         return None
     aligned = dataclasses.replace(stage, func=func, schedule=schedule)

@@ -373,8 +373,9 @@ def _row_accesses(stage: Stage, tile: int, holders: dict) -> tuple:
     warps = schedule.threads // WARP
     width = int(stage.tensor.shape[-1])
     rows = max(1, schedule.outputs // width)
-    rows_per_warp = max(1, schedule.per_tile // (warps * width))
-    count = rows_per_warp * warps * -(-width // WARP)
+    tile_rows = max(1, schedule.per_tile // width)
+    rows_per_warp = -(-tile_rows // warps)  # the last warps' last rows idle where the tile is fewer
+    count = tile_rows * -(-width // WARP)
     first = tile * schedule.per_tile
     loads: dict = {}  # placeholder op -> (a load of it, the lanes that load it)
     for load in _loads(stage.tensor):

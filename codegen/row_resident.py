@@ -7,7 +7,8 @@ followed by a reduction with a shared-memory epilogue, each row was read three t
 statistic went through global memory, and the output was computed by the whole block after a
 ``__syncthreads`` (paper BERT fp16 on an H100: a softmax 14.9 us, a LayerNorm 8.2-9 us, against
 the latency model's 5.0 and 3.6). Here one warp takes a row: its lanes load the row once into
-registers (``WARP`` apart, so that a warp's load is coalesced), reduce each statistic with
+registers (``WARP`` apart, so that a warp's load is coalesced; a row of 49, a Swin window's,
+two columns a lane, the second in 17 of them), reduce each statistic with
 shuffles (TVM's cross-thread all-reduce, which leaves the result in every lane), and write the
 row's outputs, with no shared memory and no block barrier.
 
@@ -34,21 +35,22 @@ from codegen.schedule import (SAME_ELEMENTS_AXIS_MAX, WARP, ScheduleError, Stage
                               outer_loop, product_of, unrolled_by_nvcc)
 
 
-def schedule_row_resident(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool,
-                          threads: int, rows_per_warp: int = 1) -> tuple[tirx.PrimFunc, StageSchedule]:
+def schedule_row_resident(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int,
+                          rows_per_warp: int = 1, tile_rows: int | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
     """``row_resident_stage`` for a staged output TE over ``placeholders`` (``codegen.stage.isolate_fused``)."""
-    return row_resident_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, rows_per_warp)
+    return row_resident_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, rows_per_warp, tile_rows)
 
 
-def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
-                       rows_per_warp: int = 1) -> tuple[tirx.PrimFunc, StageSchedule]:
+def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_warp: int = 1,
+                       tile_rows: int | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
     """Schedule ``func``: reductions over the rows of its last block's output (the statistics,
     producers first) and that element-wise output, which reads them. Each warp takes
     ``rows_per_warp`` consecutive rows, one after the other (``codegen.align_tiles`` gives a
-    softmax the tiles of the product that reads it). Raises ``ScheduleError`` where the stage
-    is not of that shape: a statistic whose reduction is not along a whole row, one that
-    recomputes other rows', one TVM cannot split across a warp's lanes, or several rows a warp
-    whose tile does not divide the last row axis."""
+    softmax the tiles of the product that reads it), in tiles of ``tile_rows`` rows: by default
+    every warp's; fewer (a window of 49 rows over 8 warps of 7), the last warps' last rows idle.
+    Raises ``ScheduleError`` where the stage is not of that shape: a statistic whose reduction
+    is not along a whole row, one that recomputes other rows', one TVM cannot split across a
+    warp's lanes, or several rows a warp whose tile does not divide the last row axis."""
     sch = s_tir.Schedule(func)
     *statistics, output = sch.get_child_blocks(sch.get_sblock("root"))
     if not statistics:
@@ -64,25 +66,32 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
         if gpu and not lanes_can_reduce(sch, block):
             raise ScheduleError(f"block {sch.get(block).name_hint}: TVM cannot reduce it across a warp's lanes")
     warps = threads // WARP
+    tile_rows = tile_rows or warps * rows_per_warp
+    if not warps * (rows_per_warp - 1) < tile_rows <= warps * rows_per_warp:
+        raise ScheduleError(f"tiles of {tile_rows} rows are not {rows_per_warp} rows for each of {warps} warps")
     if rows_per_warp == 1:
         _flatten_rows(sch, statistics, output, warps)
-    cached = _cached_reads(sch, statistics, output) if gpu and width % WARP == 0 else []
+    cached = _cached_reads(sch, statistics, output) if gpu else []
     loops = sch.get_loops(output)
     n_rows = product_of(loop_extent(sch, loop) for loop in loops[:-1])
     # a warp's rows of a tensor of the stage's rows (not a vector every row reads, nor a row
     # gathered by index) loaded together, ``together`` at a time, before they are reduced
     sources = [sch.get(statistics[0]).reads[index].source for index in cached]
     of_rows = [product_of(int(d) for d in source.shape[:-1]) == n_rows for source in sources]
-    together = rows_together(rows_per_warp, width, [str(s.dtype) for s, rows in zip(sources, of_rows) if rows])
+    together = rows_together(rows_per_warp, width, [str(s.dtype) for s, rows in zip(sources, of_rows) if rows],
+                             tile_rows)
     if rows_per_warp > 1:
         # the last row axis split first, then the tile fused: split after fusing, the rows of a
         # 3-D tensor were bound as (t // 6, (t * 64 + ...) % 384), which TVM's bind of the
         # lanes no longer saw as affine
         *leading, last = loops[:-1]
-        if loop_extent(sch, last) % (warps * rows_per_warp):
-            raise ScheduleError(f"block {sch.get(output).name_hint}: tiles of {warps * rows_per_warp} rows do not "
+        if loop_extent(sch, last) % tile_rows:
+            raise ScheduleError(f"block {sch.get(output).name_hint}: tiles of {tile_rows} rows do not "
                                 f"divide its last row axis ({loop_extent(sch, last)})")
-        outer, warp, group, row = sch.split(last, [None, warps, rows_per_warp // together, together])
+        outer, rows = sch.split(last, [None, tile_rows])
+        # a tile of fewer rows than its warps' is split past its end: TVM guards the rows
+        # beyond it with a predicate, uniform across each warp's lanes
+        warp, group, row = sch.split(rows, [warps, rows_per_warp // together, together])
         tile = sch.fuse(*leading, outer) if leading else outer
     else:
         tile, warp = sch.split(outer_loop(sch, loops[:-1], loops, output), [None, warps])
@@ -124,7 +133,6 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
         sch.bind(cache_lane, "threadIdx.x")
         if rows > 1:  # by nvcc, so that the rows' registers are indexed by constants (else local memory)
             unrolled_by_nvcc(sch, sch.get_loops(cache)[depth - 1:-1])
-        sch.transform_layout(cache, ("write", 0), lambda *i: (*i[:-1], i[-1] % WARP, i[-1] // WARP))
         caches.append((sch.get(cache).writes[0].source, rows))
     if together > 1:  # a cache of the warp's rows, indexed by the row
         unrolled_by_nvcc(sch, [row])
@@ -133,13 +141,13 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
         sch.bind(warp, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
     scheduled = _thread_private(sch.mod["main"], caches)
-    n_tiles = -(-n_rows // (warps * rows_per_warp))
+    n_tiles = -(-n_rows // tile_rows)
     if gpu and n_tiles == 1:
         # a single tile's statistics are indexed without the tile (like a single tile's epilogue,
         # ``codegen.schedule.schedule_stage``): simplified, each thread keeps its own row's, not
         # an array of the tile's rows
         scheduled = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": scheduled}))["main"]
-    return scheduled, StageSchedule("warp_reduce", n_tiles, warps * rows_per_warp * width, threads, n_rows * width, 0,
+    return scheduled, StageSchedule("warp_reduce", n_tiles, tile_rows * width, threads, n_rows * width, 0,
                                     rows_together=together)
 
 
@@ -150,15 +158,16 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int,
 ROW_CACHE_BYTES = 192
 
 
-def rows_together(rows_per_warp: int, width: int, dtypes: list[str]) -> int:
-    """How many of its ``rows_per_warp`` rows a warp loads in one trip: the most, dividing them,
+def rows_together(rows_per_warp: int, width: int, dtypes: list[str], tile_rows: int | None = None) -> int:
+    """How many of its ``rows_per_warp`` rows a warp loads in one trip: the most, dividing them
+    (and the tile's ``tile_rows``, so that each trip's rows start at a multiple of their number),
     whose columns of the row tensors (of ``dtypes``) a lane holds in ``ROW_CACHE_BYTES``; one
     where none is cached."""
     per_row = sum(np.dtype(dtype).itemsize for dtype in dtypes) * -(-width // WARP)
     if not per_row:
         return 1
     return max(n for n in range(1, rows_per_warp + 1)
-               if rows_per_warp % n == 0 and (n == 1 or n * per_row <= ROW_CACHE_BYTES))
+               if rows_per_warp % n == 0 and (tile_rows or n) % n == 0 and (n == 1 or n * per_row <= ROW_CACHE_BYTES))
 
 
 def statistics_of(tensor: te.Tensor) -> list[te.Tensor]:
@@ -242,16 +251,20 @@ def _is(index, iterator: tirx.IterVar) -> bool:
 
 
 def _thread_private(func: tirx.PrimFunc, caches: list) -> tirx.PrimFunc:
-    """``func`` with each row cache (``local``, laid out [rows..., lane, column // WARP]; given with
-    the rows it holds) indexed by its last dimension only: each thread's own columns, ``width /
-    WARP`` elements; holding several rows, a warp's, by the row within the warp's too (the last
-    row index modulo their number: a warp's rows start at a multiple of it along that axis)."""
+    """``func`` with each row cache (``local``, laid out as the rows it caches; given with the
+    rows it holds) indexed by ``column // WARP`` only: each thread's own columns (``column %
+    WARP`` is its lane), ``width / WARP`` elements, rounded up where a warp does not divide the
+    row (its last lanes' last element unused); holding several rows, a warp's, by the row within
+    the warp's too (the last row index modulo their number: a warp's rows start at a multiple of
+    it along that axis)."""
     for cache, rows_per_warp in caches:
-        shape = (cache.shape[-1],) if rows_per_warp == 1 else (rows_per_warp, cache.shape[-1])
+        columns = -(-int(cache.shape[-1]) // WARP)
+        shape = (columns,) if rows_per_warp == 1 else (rows_per_warp, columns)
         private = tirx.decl_buffer(shape, cache.dtype, name=cache.name, scope="local")
 
         def own(indices, rows_per_warp=rows_per_warp):
-            return [indices[-1]] if rows_per_warp == 1 else [tirx.floormod(indices[-3], rows_per_warp), indices[-1]]
+            column = tirx.floordiv(indices[-1], WARP)
+            return [column] if rows_per_warp == 1 else [tirx.floormod(indices[-2], rows_per_warp), column]
 
         def buffer(node, cache=cache, private=private):
             return private if node.same_as(cache) else node
@@ -262,11 +275,11 @@ def _thread_private(func: tirx.PrimFunc, caches: list) -> tirx.PrimFunc:
         def store(node, private=private):
             return tirx.BufferStore(private, node.value, own(node.indices)) if node.buffer.same_as(private) else node
 
-        def region(node, private=private, rows_per_warp=rows_per_warp):
+        def region(node, private=private, rows_per_warp=rows_per_warp, columns=columns):
             if not node.source.same_as(private):
                 return node
             rows = [] if rows_per_warp == 1 else [tvm.ir.Range(0, rows_per_warp)]
-            return ir_expr.TensorRegion(private, [*rows, node.region[-1]], node.ty)
+            return ir_expr.TensorRegion(private, [*rows, tvm.ir.Range(0, columns)], node.ty)
 
         func = tvm_ffi.structural_map(func, [(ir_expr.Var, buffer), (ir_expr.TensorLoad, load),
                                              (tirx.BufferStore, store), (ir_expr.TensorRegion, region)])

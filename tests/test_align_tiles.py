@@ -250,6 +250,56 @@ def test_several_rows_a_warp_need_tiles_that_divide_the_last_row_axis():
         row_resident_stage(func, True, THREADS, 2)
 
 
+def test_tiles_of_fewer_rows_than_their_warps_idle_the_last_warps_last_rows():
+    from tvm import te
+
+    x = te.placeholder((3, 49, 64), name="x")
+    r = te.reduce_axis((0, 64), "r")
+    total = te.compute((3, 49), lambda i, j: te.sum(x[i, j, r], axis=r), name="total")
+    y = te.compute((3, 49, 64), lambda i, j, k: x[i, j, k] / total[i, j], name="y")
+    func = te.create_prim_func([x, y])
+    _, schedule = row_resident_stage(func, True, THREADS, 7, 49)  # a window: 8 warps of 7 rows, 7 idle
+    assert (schedule.n_tiles, schedule.per_tile) == (3, 49 * 64)
+    with pytest.raises(ScheduleError, match="tiles of 40 rows are not 7 rows for each of 8 warps"):
+        row_resident_stage(func, True, THREADS, 7, 40)
+
+
+def _windows(windows: int = 32):
+    """Window attention as in paper Swin's first stage, at fp16: ``windows`` windows x heads of 49
+    tokens, q.k^T, the softmax, and its product with the values (32 a head, a weight); the graph,
+    inputs and PyTorch's answer."""
+    rng = np.random.default_rng(5)
+    b = GraphBuilder("windows")
+    q, k = (b.input(name, (windows, 49, 32)) for name in ("q", "k"))
+    values = b.param("values", rng.standard_normal((windows, 49, 32)).astype("float32"))
+    scores = b.op("batch_matmul", q, k, transpose_b=True)
+    graph = b.build(b.op("batch_matmul", b.op("softmax", scores), values))
+    inputs = {name: rng.standard_normal((windows, 49, 32)).astype("float32") for name in ("q", "k")}
+    half = {name: torch.from_numpy(v).half().float() for name, v in inputs.items()}
+    products = torch.bmm(half["q"], half["k"].transpose(1, 2)).half().float()
+    half_values = torch.from_numpy(graph.weights["values"].copy()).half().float()
+    return graph, inputs, torch.bmm(torch.softmax(products, -1).half().float(), half_values).numpy()
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_a_window_s_49_rows_are_one_tile_with_its_scores_and_product(dear_barriers, order):
+    """Paper Swin's windows: the scores and P.V are a tile a window (tensor cores, dlight's
+    matmul), and the softmax, 8 rows a tile, was a grid barrier from each. In tiles of 49 rows
+    (7 a warp, the last warp idle) all three run in one block, and the kernel matches PyTorch
+    on emulated threads."""
+    graph, inputs, expected = _windows()
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+    stages = _stages(model.plan)
+    softmax = stages["T_softmax_maxelem+T_softmax_expsum+softmax_2"]
+    product = stages["T_batch_matmul_NN+batch_matmul_3"]
+    assert (softmax.schedule.n_tiles, softmax.schedule.per_tile) == (32, 49 * 49)
+    assert product.schedule.n_tiles == 32 and stages["T_batch_matmul_NT+compute"].schedule.n_tiles == 32
+    assert softmax.barrier is None and product.barrier is None
+    assert softmax.block_barrier is not None and product.block_barrier is not None
+    (got,) = model.schedule(order).run(inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
+
+
 def test_the_no_aligned_tiles_variant_keeps_the_softmax_a_warp_a_row(dear_barriers):
     import sys
     from pathlib import Path
