@@ -34,6 +34,7 @@ from codegen.horizontal import horizontal
 from codegen.llvm import CpuModule, build, persistent_cpu_function
 from codegen.on_chip import keep_weights_on_chip
 from codegen.partition import partition_kernels
+from codegen.commute_rolls import commute_rolls
 from codegen.scale_past_matmul import scale_past_matmul
 from codegen.schedule import THREADS
 from codegen.schedule_cpu import schedule_cpu
@@ -85,6 +86,8 @@ TRANSFORMS = (
     PRECISION,
     Pass("horizontal", lambda graph, _: Outcome(*horizontal(graph)), GRAPH, from_level=1, section="transform"),
     Pass("scale_past_matmul", lambda graph, _: Outcome(*scale_past_matmul(graph)), GRAPH, from_level=2,
+         section="transform"),
+    Pass("commute_rolls", lambda graph, _: Outcome(*commute_rolls(graph)), GRAPH, from_level=2,
          section="transform"),
     Pass("split_k", lambda graph, o: Outcome(*split_k(graph, o.device)), GRAPH, from_level=4, section="transform"),
     Pass("lower", lambda graph, _: lower_graph(graph), TE),

@@ -30,7 +30,7 @@ from tvm import s_tir, te, tirx
 from tvm.ir import expr as ir_expr
 
 from analysis.affine import row_major
-from analysis.dependence import sub_expressions
+from analysis.dependence import IF_THEN_ELSE, is_call_to, sub_expressions
 from codegen.schedule import (SAME_ELEMENTS_AXIS_MAX, WARP, ScheduleError, StageSchedule, lanes_can_reduce, loop_extent,
                               outer_loop, product_of, unrolled_by_nvcc)
 
@@ -69,9 +69,11 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
     tile_rows = tile_rows or warps * rows_per_warp
     if not warps * (rows_per_warp - 1) < tile_rows <= warps * rows_per_warp:
         raise ScheduleError(f"tiles of {tile_rows} rows are not {rows_per_warp} rows for each of {warps} warps")
-    if rows_per_warp == 1:
+    # a row read through a roll (``codegen.commute_rolls``): its rows as they are, nothing cached
+    rolled = any(_loads_by_index(sch.get(block)) for block in [*statistics, output])
+    if rows_per_warp == 1 and not rolled:
         _flatten_rows(sch, statistics, output, warps)
-    cached = _cached_reads(sch, statistics, output) if gpu else []
+    cached = _cached_reads(sch, statistics, output) if gpu and not rolled else []
     loops = sch.get_loops(output)
     n_rows = product_of(loop_extent(sch, loop) for loop in loops[:-1])
     # a warp's rows of a tensor of the stage's rows (not a vector every row reads, nor a row
@@ -191,7 +193,13 @@ def _flatten_rows(sch: s_tir.Schedule, statistics: list, output, warps: int) -> 
     trailing axes' product is a multiple of the warps into forms its iter maps cannot follow
     (paper Swin's softmax over [4, 16, 49, 49]: ``v_i1 = (t % 98 * 8 + w) // 49``), and its ``bind``
     of the lanes refuses the stage; over one row axis the bindings are that axis's own split.
-    (A last axis of whole tiles, paper BERT's 384 rows, is split as it is.)"""
+    (A last axis of whole tiles, paper BERT's 384 rows, is split as it is.) Not called where a
+    block chooses between places by index (a LayerNorm read through a roll,
+    ``codegen.commute_rolls``): flattened, TVM 0.27 rewrote the window reverse of a roll's first
+    branch into an index 39 rows off (paper Swin's second stage at fp32, refused by the
+    thread-level validator); as they are, it binds them. Nor are such rows cached: the
+    arithmetic a roll's four branches carry (split-K partials, a bias) left nvcc's loop over a
+    lane's columns rolled, and a cached bias in local memory (paper Swin fp32: 112 bytes)."""
     rows = len(sch.get_loops(output)) - 1
     extents = [loop_extent(sch, loop) for loop in sch.get_loops(output)[:-1]]
     if rows < 2 or extents[-1] % warps == 0:
@@ -207,6 +215,13 @@ def _flatten_rows(sch: s_tir.Schedule, statistics: list, output, warps: int) -> 
         sch.transform_layout(block, ("write", 0), flattened(len(sch.get(block).writes[0].source.shape)))
     for block in [*statistics, output]:
         sch.transform_block_layout(block, flattened(len(sch.get(block).iter_vars)))
+
+
+def _loads_by_index(block: s_tir.SBlock) -> bool:
+    """Whether ``block`` chooses between loads by a condition (``if_then_else``): a roll's places."""
+    return any(is_call_to(node, IF_THEN_ELSE) and any(isinstance(inner, ir_expr.TensorLoad)
+                                                      for branch in node.args[1:] for inner in sub_expressions(branch))
+               for node in sub_expressions(block.body))
 
 
 def _cached_reads(sch: s_tir.Schedule, statistics: list, output) -> list[int]:

@@ -115,6 +115,13 @@ def pads(expr) -> bool:
     return len(tensor_loads(expr)) == 1 and selects_elements(expr, by_index=True)
 
 
+def rolls(expr) -> bool:
+    """Whether ``expr`` is a roll: loads of one tensor at several places, chosen by conditions on
+    indices alone (``souffle.ops.shape.roll``: two places an axis)."""
+    loads = tensor_loads(expr)
+    return len(loads) > 1 and len({load.tensor.op for load in loads}) == 1 and selects_elements(expr, by_index=True)
+
+
 def selects_elements(expr, by_index: bool = False) -> bool:
     """Whether every value of ``expr`` is a tensor element or a constant, chosen by conditions
     (``by_index``: conditions that read no tensor)."""
@@ -161,12 +168,14 @@ def _inline_region(region: Region, renamed: dict) -> Region:
     inlined: dict = {}  # old op -> its rebuilt TE, to be substituted at every load
     new: dict = {}  # old op -> its rebuilt TE, stored
     leads_to_reduction = _layout_chains_to_reductions(stages, readers, kept)
+    rolled_to_reduction = _layout_chains_to_reductions(stages, readers, kept, through_rolls=True) - leads_to_reduction
     for stage in stages:
         rebuilt = _rebuild(stage, inlined, new)
         users = readers.get(stage.op, [])
         relaid = None
         if stage.op not in kept and inlinable(rebuilt, users, stage.op):
-            if not _anchored(stage, rebuilt, users, leads_to_reduction):
+            if not (_anchored(stage, rebuilt, users, leads_to_reduction) or
+                    (_reads_a_result_each(rebuilt) and _anchored(stage, rebuilt, users, rolled_to_reduction))):
                 inlined[stage.op] = rebuilt
                 continue
             relaid = _in_producer_shape(rebuilt)
@@ -189,7 +198,7 @@ def _inline_region(region: Region, renamed: dict) -> Region:
     return Region(region.name, region.ops, region.inputs, region.outputs, tensors, op_of)
 
 
-def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: set) -> set:
+def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: set, through_rolls: bool = False) -> set:
     """The ops one of whose readers is a layout TE not kept that is read by a reduction, or by a
     layout TE that leads to one. A layout TE, as written in the program, is one load at an index
     of its axes (a reshape, transpose or slice), or, on a chain that leads to no GEMM-shaped
@@ -202,22 +211,54 @@ def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: s
     (``codegen.schedule.gathered_operands``). Elsewhere the arithmetic is stored in its
     producer's tiles (paper ResNeXt's batch norm and ReLU, its convolution's epilogue) and the
     padding is read through: a stage and a grid barrier fewer in most blocks (the H100 timed each
-    stored padding of paper ResNeXt at fp32 at 6-15 us, EfficientNet's at 7)."""
+    stored padding of paper ResNeXt at fp32 at 6-15 us, EfficientNet's at 7). ``through_rolls``:
+    a roll is a layout TE too, on a chain that leads to no GEMM at all (``codegen.commute_rolls``:
+    a LayerNorm's rows read through it); on the way to one it is stored, as a padding is."""
     pure = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
     # a padding of no condition is a plain load: ``paddings`` holds ``pure``
     paddings = {s.op for s in stages if _element_wise(s) and s.op not in kept and pads(s.op.body[0])}
-    to_gemm: set = set()  # the ops read by an unbatched GEMM, or by a padding in ``to_gemm``
-    for stage in reversed(stages):  # readers come after their producers
-        if any((r.op.reduce_axis and is_gemm(r) and not is_gemm(r, batched=True)) or
-               (r.op in paddings and r.op in to_gemm)
-               for r in readers.get(stage.op, [])):
-            to_gemm.add(stage.op)
-    layout = pure | (paddings - to_gemm)
+    rolled = set()
+    if through_rolls:
+        rolled = {s.op for s in stages if _element_wise(s) and s.op not in kept and rolls(s.op.body[0])}
+        # and a roll widened for a LayerNorm (the precision pass's cast of its input, exact)
+        rolled |= {s.op for s in stages if _element_wise(s) and s.op not in kept and _widens_a_load(s.op.body[0])
+                   and s.op.body[0].value.args[0].op in rolled}
+    layout = pure | (paddings - _led_to_gemm(stages, readers, paddings, batched=False)) | \
+        (rolled - _led_to_gemm(stages, readers, rolled, batched=True))
     leads: set = set()  # the ops with a reader that is a reduction or a layout TE in ``leads``
     for stage in reversed(stages):
         if any(r.op.reduce_axis or (r.op in layout and r.op in leads) for r in readers.get(stage.op, [])):
             leads.add(stage.op)
     return {s.op for s in stages if any(r.op in layout and r.op in leads for r in readers.get(s.op, []))}
+
+
+def _widens_a_load(expr) -> bool:
+    """Whether ``expr`` is one float16 or bfloat16 load cast to float32 (exact): the precision
+    pass's widening of a LayerNorm's or softmax's input."""
+    return isinstance(expr, tvm.tirx.Cast) and str(expr.ty.dtype) == "float32" and \
+        is_call_to(expr.value, TENSOR_LOAD) and str(expr.value.ty.dtype) in ("float16", "bfloat16")
+
+
+def _led_to_gemm(stages: list[te.Tensor], readers: dict, through: set, batched: bool) -> set:
+    """The ops read by a GEMM-shaped reduction (unbatched only, unless ``batched``), or by an op
+    of ``through`` that is."""
+    found: set = set()
+    for stage in reversed(stages):  # readers come after their producers
+        if any((r.op.reduce_axis and is_gemm(r) and (batched or not is_gemm(r, batched=True))) or
+               (r.op in through and r.op in found)
+               for r in readers.get(stage.op, [])):
+            found.add(stage.op)
+    return found
+
+
+def _reads_a_result_each(tensor: te.Tensor) -> bool:
+    """Whether ``tensor`` reads a reduction of its own size: stored, it is the reduction's
+    epilogue (in its order, ``_in_producer_shape``). Read through a roll, the sum of a rolled
+    Swin block's projection and its input is stored so, its LayerNorm reading it through the
+    roll; the sum of split-K partials is not (stored, it would be a stage of its own), and its
+    LayerNorm adds the partials as it reads them."""
+    size = _size(tensor.shape)
+    return any(_is_reduction(t) and _size(t.shape) == size for t in tensor.op.input_tensors)
 
 
 def _anchored(stage: te.Tensor, rebuilt: te.Tensor, users: list[te.Tensor], leads_to_reduction: set) -> bool:
@@ -231,10 +272,11 @@ def _anchored(stage: te.Tensor, rebuilt: te.Tensor, users: list[te.Tensor], lead
 def _in_producer_shape(tensor: te.Tensor, reshaped_only: bool = False) -> tuple[te.Tensor, te.Tensor] | None:
     """``tensor`` as (the same values stored in the shape of the one reduction it reads through a
     reshape, that stored TE read back through the reshape), or None: it reads no reduction of
-    another shape and its own size, or reading it in that shape is not reading each result at its
-    own index (once simplified). With ``reshaped_only``, also None where the shapes differ only
-    by axes of extent 1, which ``codegen.epilogues`` reads as the same index already (a batched
-    product (heads, S, S) read as (1, heads, S, S))."""
+    another shape and its own size. Where reading it in that shape is not reading each result at
+    its own index (once simplified), stored in the reduction's order if it reads it through a
+    bijective affine map (``_in_permuted_order``), else None. With ``reshaped_only``, also None
+    where the shapes differ only by axes of extent 1, which ``codegen.epilogues`` reads as the
+    same index already (a batched product (heads, S, S) read as (1, heads, S, S))."""
     size = _size(tensor.shape)
     shapes = {tuple(int(d) for d in t.shape) for t in tensor.op.input_tensors
               if _is_reduction(t) and _size(t.shape) == size}
@@ -248,7 +290,7 @@ def _in_producer_shape(tensor: te.Tensor, reshaped_only: bool = False) -> tuple[
     for load in tensor_loads(stored.op.body[0]):
         if _is_reduction(load.tensor) and _size(load.tensor.shape) == size and \
                 not all(_at_axis(index, axis) for index, axis in zip(load.indices, stored.op.axis)):
-            return _in_permuted_order(tensor) if reshaped_only else None
+            return _in_permuted_order(tensor)
     view = te.compute(tensor.shape, lambda *a: stored(*_reshape_index(a, tensor.shape, shape)),
                       name=f"{tensor.op.name}_view")
     return stored, view

@@ -30,8 +30,8 @@ def _mlp():
 def test_every_target_has_one_declared_pipeline():
     assert list(PIPELINES) == ["llvm", "cuda", "llvm-persistent", "cuda-emulated"]
     assert LLVM.names == ["precision", "hoist_scan_projections", "pack_weights", "lower", "stitch", "build"]
-    front = ["wavefront", "precision", "horizontal", "scale_past_matmul", "split_k", "lower", "vertical",
-             "fuse_epilogues", "stage"]
+    front = ["wavefront", "precision", "horizontal", "scale_past_matmul", "commute_rolls", "split_k", "lower",
+             "vertical", "fuse_epilogues", "stage"]
     synchronization = ["kernel_per_stage", "global_sync", "place_barriers", "partition", "keep_weights_on_chip",
                        "plan_arena"]
     # the tiles are aligned for a GPU's latency model only: the CPU runs the stages as they are
@@ -40,7 +40,7 @@ def test_every_target_has_one_declared_pipeline():
     assert LLVM_PERSISTENT.names == front + synchronization + ["staged_function", "build"]
     assert CUDA_EMULATED.names == CUDA.names + ["emulated_build"]
     levels = {p.name: p.from_level for p in CUDA.passes if p.from_level}
-    assert levels == {"wavefront": 1, "horizontal": 1, "scale_past_matmul": 2, "split_k": 4, "vertical": 2, "fuse_epilogues": 3, "global_sync": 3,
+    assert levels == {"wavefront": 1, "horizontal": 1, "scale_past_matmul": 2, "commute_rolls": 2, "split_k": 4, "vertical": 2, "fuse_epilogues": 3, "global_sync": 3,
                       "align_tiles": 4, "partition": 3, "place_barriers": 4, "keep_weights_on_chip": 4}
 
 
@@ -121,9 +121,9 @@ def test_compile_dumps_one_file_per_pass_in_pipeline_order(tmp_path):
     files = sorted(p.name for p in tmp_path.iterdir())
     ran = [p for p in LLVM_PERSISTENT.passes if p.from_level <= 2]
     assert files == ["00-input.graph.txt"] + [LLVM_PERSISTENT.dump_name(p) for p in ran]
-    assert "07-vertical.te.txt" in files and "11-global_sync.staged.txt" not in files
-    assert (tmp_path / "15-plan_arena.staged.txt").read_text().startswith("staged program mlp: 2 stages")
-    assert "define" in (tmp_path / "17-build.ll").read_text()  # LLVM IR
+    assert "08-vertical.te.txt" in files and "12-global_sync.staged.txt" not in files
+    assert (tmp_path / "16-plan_arena.staged.txt").read_text().startswith("staged program mlp: 2 stages")
+    assert "define" in (tmp_path / "18-build.ll").read_text()  # LLVM IR
 
 
 def test_report_compile_times_are_the_passes_times():
