@@ -56,8 +56,11 @@ def bytes_written(stage: te.Tensor) -> int:
     return sum(tensor_bytes(op.output(i)) for i in range(op.num_outputs))
 
 
-def count_flops(stage: te.Tensor) -> int:
-    """Floating-point operations of the whole TE (see the module docstring for the rule)."""
+def count_flops(stage: te.Tensor, one_branch: bool = False) -> int:
+    """Floating-point operations of the whole TE (see the module docstring for the rule); with
+    ``one_branch``, those a GPU executes: of each ``if_then_else`` only its costlier branch, as
+    CUDA's ``?:`` evaluates one (a ``select`` evaluates both). A roll's four branches, the
+    arithmetic it reads carried into each (paper Swin's rolled LayerNorms), cost one's."""
     op = stage.op
     per_point = 0
     counted_reductions: list[tirx.Reduce] = []
@@ -66,7 +69,7 @@ def count_flops(stage: te.Tensor) -> int:
             if any(_same_reduction(body, seen) for seen in counted_reductions):
                 continue
             counted_reductions.append(body)
-        per_point += _flops_per_point(body)
+        per_point += _flops_per_point(body, one_branch)
     return _domain_points(op) * per_point
 
 
@@ -193,28 +196,32 @@ def _is_float(expr) -> bool:
     return expr.ty.dtype.is_float
 
 
-def _flops_per_point(expr) -> int:
-    """Float operations one evaluation of ``expr`` performs."""
+def _flops_per_point(expr, one_branch: bool = False) -> int:
+    """Float operations one evaluation of ``expr`` performs (``count_flops``'s ``one_branch``)."""
+    def walk(e) -> int:
+        return _flops_per_point(e, one_branch)
+
     if isinstance(expr, _ARITHMETIC):
-        return _is_float(expr) + _flops_per_point(expr.a) + _flops_per_point(expr.b)
+        return _is_float(expr) + walk(expr.a) + walk(expr.b)
     if isinstance(expr, tvm.ir.Call):
         name = expr.op.name if isinstance(expr.op, tvm.ir.Op) else None
         if name in (TENSOR_LOAD, _LIKELY):
             return 0
         if name == IF_THEN_ELSE:
-            return _flops_per_point(expr.args[1]) + _flops_per_point(expr.args[2])
+            branches = [walk(expr.args[1]), walk(expr.args[2])]
+            return max(branches) if one_branch else sum(branches)
         own = 1 if name is not None and _is_float(expr) else 0
-        return own + sum(_flops_per_point(arg) for arg in expr.args)
+        return own + sum(walk(arg) for arg in expr.args)
     if isinstance(expr, tirx.Reduce):
-        return sum(_flops_per_point(e) for e in expr.source) + sum(_flops_per_point(e) for e in expr.combiner.result)
+        return sum(walk(e) for e in expr.source) + sum(walk(e) for e in expr.combiner.result)
     if isinstance(expr, tirx.Select):
-        return _flops_per_point(expr.true_value) + _flops_per_point(expr.false_value)
+        return walk(expr.true_value) + walk(expr.false_value)
     if isinstance(expr, tirx.Cast):
-        return _flops_per_point(expr.value)
+        return walk(expr.value)
     if isinstance(expr, tirx.Let):
-        return _flops_per_point(expr.value) + _flops_per_point(expr.body)
+        return walk(expr.value) + walk(expr.body)
     if isinstance(expr, tirx.Broadcast):
-        return _flops_per_point(expr.value)
+        return walk(expr.value)
     if isinstance(expr, _PREDICATES + _LEAVES):
         return 0
     raise TypeError(f"cannot count the FLOPs of a {type(expr).__name__} node: {expr}")

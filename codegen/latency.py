@@ -194,6 +194,11 @@ def _load_work(load: OnChip, executions: int, threads: int, grid: int, blocks_pe
         l2_read_bytes=load.elements * itemsize, dram_bytes=dram)
 
 
+def _executed_flops(tensor: te.Tensor) -> int:
+    """``tensor``'s FLOPs as the GPU executes them: one branch of each ``if_then_else``."""
+    return count_flops(tensor, one_branch=True)
+
+
 def _reduction(stage: Stage) -> te.Tensor | None:
     """The reduction ``stage`` computes: its TE, or the one fused into its epilogue; None if element-wise."""
     if stage.epilogue is None:
@@ -320,7 +325,7 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
             memory_steps += int(bool(epilogue))
             sectors = 1 if consumer_lanes is None else _store_sectors(stage.tensor, consumer_lanes)
             accesses.append(MemoryAccess(stage.tensor.op.name, "store", "global", count, sectors))
-    flops = count_flops(stage.tensor) + sum(count_flops(r) for r in _fused_reductions(stage))
+    flops = _stage_flops(stage)
     requested: dict[str, int] = {}  # global bytes each input's loads request per tile
     for a in accesses:
         if a.kind == "load" and a.space == "global":
@@ -347,9 +352,14 @@ def _database_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int,
     return StageWork(
         name=stage.name, template=TUNED_TEMPLATE, dtype=_peak_dtype(stage, reduction), executions=executions,
         n_tiles=schedule.n_tiles, threads=schedule.threads, active_threads=schedule.threads, grid=grid,
-        blocks_per_sm=blocks_per_sm, flops=count_flops(stage.tensor) + sum(count_flops(r) for r in _fused_reductions(stage)),
+        blocks_per_sm=blocks_per_sm, flops=_stage_flops(stage),
         tensor_core=False, gemm=is_gemm(reduction), memory_steps=0, on_chip_steps=0, block_barriers=0, accesses=(),
         l2_read_bytes=0, dram_bytes=round(sum(dram.reads) + dram.written), measured_seconds=schedule.measured_seconds)
+
+
+def _stage_flops(stage: Stage) -> int:
+    """The FLOPs of ``stage``'s TE and of the reductions fused into it."""
+    return _executed_flops(stage.tensor) + sum(_executed_flops(r) for r in _fused_reductions(stage))
 
 
 def _fused_reductions(stage: Stage) -> list[te.Tensor]:
@@ -452,7 +462,7 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, d
                 MemoryAccess("row operand", "load", "shared", warps * terms * row_loads // k_vector, row_sectors),
                 MemoryAccess("column operand", "load", "shared", warps * terms * MATMUL_MICRO[1] // k_vector, 1),
                 MemoryAccess(stage.tensor.op.name, "store", "global", -(-rows * cols // WARP), WARP))
-    flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
+    flops = _executed_flops(stage.tensor) + (_executed_flops(reduction) if stage.epilogue is not None else 0)
     issued = _padded_flops(stage, reduction, rows * cols * chunks * MATMUL_K_CHUNK)
     read_bytes = sum(dram.reads)
     return StageWork(
@@ -506,7 +516,7 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
                 MemoryAccess("accumulators", "load", "shared", stores, WARP * tile.store_vector * 4 // SECTOR_BYTES),
                 MemoryAccess(stage.tensor.op.name, "store", "global", stores,
                              max(1, WARP * tile.store_vector * out // SECTOR_BYTES)))
-    flops = count_flops(stage.tensor) + (count_flops(reduction) if stage.epilogue is not None else 0)
+    flops = _executed_flops(stage.tensor) + (_executed_flops(reduction) if stage.epilogue is not None else 0)
     issued = _padded_flops(stage, reduction, rows * cols * chunks * tile.depth)
     read_bytes = sum(dram.reads)
     slices = (rows + cols) * chunks * tile.depth * element
@@ -560,7 +570,7 @@ def _padded_flops(stage: Stage, reduction: te.Tensor, products_per_tile: int) ->
     """The FLOPs a GEMM's tiles issue, ``products_per_tile`` multiply-adds each (the tile's
     outputs times its chunks' terms: dlight pads a GEMM to whole tiles and chunks), its epilogue
     included."""
-    epilogue = count_flops(stage.tensor) if stage.epilogue is not None else 0
+    epilogue = _executed_flops(stage.tensor) if stage.epilogue is not None else 0
     return 2 * products_per_tile * stage.schedule.n_tiles + epilogue
 
 

@@ -75,6 +75,17 @@ def test_select_cast_and_conditions():
     assert count_flops(to_half) == M
 
 
+def test_one_branch_of_an_if_then_else_is_what_a_gpu_executes():
+    """The roofline rule counts both branches of an ``if_then_else``; the latency model
+    (``one_branch``) the costlier, as CUDA's ``?:`` evaluates one. A ``select`` is both either way."""
+    a = te.placeholder((M,), name="a")
+    rolled = te.compute((M,), lambda i: tirx.if_then_else(i >= 2, a[i - 2] * 3.0 + 1.0, a[i + M - 2] * 3.0),
+                        name="rolled")
+    assert (count_flops(rolled), count_flops(rolled, one_branch=True)) == (3 * M, 2 * M)
+    both = te.compute((M,), lambda i: tirx.Select(a[i] > 0.0, a[i] * 3.0 + 1.0, a[i] * 3.0), name="both")
+    assert count_flops(both) == count_flops(both, one_branch=True) == 3 * M
+
+
 def test_intrinsics_count_one():
     x = te.placeholder((M, N), name="x")
     gelu = te.compute((M, N), lambda i, j: 0.5 * x[i, j] * (1.0 + te.erf(x[i, j] * 0.7071067811865476)), name="gelu")
