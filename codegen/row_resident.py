@@ -17,8 +17,8 @@ The schedule is TVM's: ``compute_at`` of each statistic into the output's warp l
 reductions. One step is this module's own (``_thread_private``): TVM sizes a local buffer by
 the region of the row the warp's blocks touch (its lanes' reductions relax over
 ``threadIdx.x``), so each thread would hold the whole row, where it reads only its own columns;
-the cache's lane dimension is dropped, which is exact because every read of the cache is at the
-reading thread's own lane (``_reads_along_row`` checks it on the TEs).
+the cache is indexed by ``column // WARP`` alone, which is exact because every read of the cache
+is at the reading thread's own lane, ``column % WARP`` (``_reads_along_row`` checks it on the TEs).
 """
 
 from __future__ import annotations
