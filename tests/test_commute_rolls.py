@@ -66,6 +66,14 @@ def test_a_sum_with_a_roll_that_a_layer_norm_reads_is_the_roll_of_a_sum():
                      "(axes [1, 2])"]
     unnormed = _rolled_sum(normed=False)
     assert commute_rolls(unnormed) == (unnormed, [])
+    rng = np.random.default_rng(1)
+    inputs = {name: rng.standard_normal((1, SIDE, SIDE, C)).astype("float32") for name in ("x", "y")}
+    total = inputs["x"] + np.roll(inputs["y"], (SHIFT, SHIFT), axis=(1, 2))
+    mean, var = total.mean(-1, keepdims=True), total.var(-1, keepdims=True)
+    for level in (0, 2):  # without the pass and with it, on the CPU's staged program
+        out, summed = souffle.compile(_rolled_sum(), "llvm-persistent", opt_level=level).run(inputs)
+        np.testing.assert_allclose(summed, total, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out, (total - mean) / np.sqrt(var + 1e-5) + 1, rtol=1e-4, atol=1e-4)  # g, beta: 1
 
 
 def test_a_roll_is_one_tensor_at_places_chosen_by_index():
