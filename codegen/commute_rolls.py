@@ -24,8 +24,6 @@ Paper Swin rolls in 12 of its 24 blocks.
 
 from __future__ import annotations
 
-import dataclasses
-
 from souffle.graph import Graph, Op, Scan
 
 
@@ -38,14 +36,6 @@ def commute_rolls(graph: Graph) -> tuple[Graph, list[str]]:
     return _rewritten(graph, notes), notes
 
 
-def _readers(graph: Graph) -> dict[str, list[int]]:
-    readers: dict[str, list[int]] = {}
-    for index, op in enumerate(graph.ops):
-        for name in op.inputs:
-            readers.setdefault(name, []).append(index)
-    return readers
-
-
 def _read_by_one(graph: Graph, readers: dict, name: str, index: int) -> bool:
     return name not in graph.outputs and readers.get(name) == [index]
 
@@ -53,7 +43,7 @@ def _read_by_one(graph: Graph, readers: dict, name: str, index: int) -> bool:
 def _moves(graph: Graph) -> tuple[dict[int, int], dict[int, int]]:
     """(roll op index -> the layer_norm whose output it alone reads, add op index -> the roll whose
     output it alone reads, the sum read by a layer_norm)."""
-    readers = _readers(graph)
+    readers = graph.readers()
     producer = {name: index for index, op in enumerate(graph.ops) if not isinstance(op, Scan) for name in op.outputs}
     norms, sums = {}, {}
     for index, op in enumerate(graph.ops):
@@ -81,32 +71,26 @@ def _moves(graph: Graph) -> tuple[dict[int, int], dict[int, int]]:
 def _rewritten(graph: Graph, notes: list[str]) -> Graph:
     norms, sums = _moves(graph)
     removed = set(norms.values()) | set(sums.values())
-    ops, changed = [], bool(norms or sums)
-    for index, op in enumerate(graph.ops):
-        if isinstance(op, Scan):
-            body = _rewritten(op.body, notes)
-            changed |= body is not op.body
-            ops.append(op if body is op.body else dataclasses.replace(op, body=body))
-        elif index in removed:
-            continue
-        elif index in norms:
+
+    def rewrite(index: int, op: Op) -> list[Op]:
+        if index in removed:
+            return []
+        if index in norms:
             norm = graph.ops[norms[index]]
             x, *affine = norm.inputs
             rolled = f"{op.outputs[0]}_input"
-            ops += [Op("roll", (x,), (rolled,), op.attrs), Op("layer_norm", (rolled, *affine), op.outputs, norm.attrs)]
             notes.append(f"{graph.name}/{op.outputs[0]}: the roll of {norm.outputs[0]} (axes "
                          f"{list(op.attrs['axes'])}) applied to the LayerNorm's input, {x}")
-        elif index in sums:
+            return [Op("roll", (x,), (rolled,), op.attrs), Op("layer_norm", (rolled, *affine), op.outputs, norm.attrs)]
+        if index in sums:
             roll = graph.ops[sums[index]]
             (other,) = [name for name in op.inputs if name != roll.outputs[0]]
             back = {**roll.attrs, "shifts": [-int(s) for s in roll.attrs["shifts"]]}
             unrolled, total = f"{op.outputs[0]}_unrolled_term", f"{op.outputs[0]}_unrolled"
-            ops += [Op("roll", (other,), (unrolled,), back), Op("add", (unrolled, roll.inputs[0]), (total,)),
-                    Op("roll", (total,), op.outputs, roll.attrs)]
             notes.append(f"{graph.name}/{op.outputs[0]}: the sum of {other} and the roll of {roll.inputs[0]} taken "
                          f"as the roll of their sum, {other} rolled back (axes {list(roll.attrs['axes'])})")
-        else:
-            ops.append(op)
-    if not changed:
-        return graph
-    return graph.with_ops(ops)
+            return [Op("roll", (other,), (unrolled,), back), Op("add", (unrolled, roll.inputs[0]), (total,)),
+                    Op("roll", (total,), op.outputs, roll.attrs)]
+        return [op]
+
+    return graph.rewritten(rewrite, lambda body: _rewritten(body, notes))

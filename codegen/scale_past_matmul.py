@@ -12,8 +12,6 @@ scores up to where they round.
 
 from __future__ import annotations
 
-import dataclasses
-
 from souffle.graph import Graph, Op, Scan
 
 LAYOUT_OPS = ("reshape", "transpose")  # element order only: a scalar factor passes through them
@@ -32,10 +30,7 @@ def scale_past_matmul(graph: Graph) -> tuple[Graph, list[str]]:
 def _moves(graph: Graph) -> dict[int, int]:
     """scale op index -> the index of the matmul its result reaches through layout ops, each
     tensor on the way read by one op and not a graph output."""
-    readers: dict[str, list[int]] = {}
-    for index, op in enumerate(graph.ops):
-        for name in op.inputs:
-            readers.setdefault(name, []).append(index)
+    readers = graph.readers()
     moves = {}
     for index, op in enumerate(graph.ops):
         if isinstance(op, Scan) or op.kind != "scale":
@@ -60,24 +55,18 @@ def _rewritten(graph: Graph, notes: list[str]) -> Graph:
     for scale, matmul in moves.items():
         factors[matmul] = factors.get(matmul, 1.0) * float(graph.ops[scale].attrs["factor"])
     renamed = {graph.ops[scale].outputs[0]: graph.ops[scale].inputs[0] for scale in moves}
-    ops, changed = [], bool(moves)
-    for index, op in enumerate(graph.ops):
-        if isinstance(op, Scan):
-            body = _rewritten(op.body, notes)
-            changed |= body is not op.body
-            ops.append(op if body is op.body else dataclasses.replace(op, body=body))
-        elif index in moves:
-            continue
-        elif index in factors:
+
+    def rewrite(index: int, op: Op) -> list[Op]:
+        if index in moves:
+            return []
+        if index in factors:
             alpha = float(op.attrs.get("alpha", 1.0)) * factors[index]
             inputs = tuple(renamed.get(n, n) for n in op.inputs)
-            ops.append(Op(op.kind, inputs, op.outputs, {**op.attrs, "alpha": alpha}))
             notes.append(f"{graph.name}/{op.outputs[0]}: the scale by {factors[index]:.6g} of its operand "
                          f"{' and '.join(graph.ops[s].inputs[0] for s in moves if moves[s] == index)} "
                          f"applied to its product (alpha {alpha:.6g})")
-        else:
-            ops.append(op if not renamed.keys() & set(op.inputs) else
-                       Op(op.kind, tuple(renamed.get(n, n) for n in op.inputs), op.outputs, op.attrs))
-    if not changed:
-        return graph
-    return graph.with_ops(ops)
+            return [Op(op.kind, inputs, op.outputs, {**op.attrs, "alpha": alpha})]
+        return [op if not renamed.keys() & set(op.inputs) else
+                Op(op.kind, tuple(renamed.get(n, n) for n in op.inputs), op.outputs, op.attrs)]
+
+    return graph.rewritten(rewrite, lambda body: _rewritten(body, notes))

@@ -26,10 +26,9 @@ H100's stage times (``latency_vs_h100.md``), and the ``no-split-k`` variant
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
-from souffle.graph import Graph, Op, Scan
+from souffle.graph import Graph, Op
 from souffle.ops.nn import is_pointwise_gemm
 from souffle.ops.registry import full_attrs, get_rule
 
@@ -87,24 +86,18 @@ def gemm_of(graph: Graph, op: Op) -> tuple[int, int, int] | None:
 
 
 def _rewritten(graph: Graph, sms: int, notes: list[str]) -> Graph:
-    ops, changed = [], False
-    for op in graph.ops:
-        new = op
-        if isinstance(op, Scan):
-            body = _rewritten(op.body, sms, notes)
-            new = op if body is op.body else dataclasses.replace(op, body=body)
-        elif op.attrs.get("split_k", 1) == 1 and (gemm := gemm_of(graph, op)) is not None:
-            rows, columns, reduction = gemm
-            parts = parts_for(rows, columns, reduction, sms)
-            if parts > 1:
-                new = Op(op.kind, op.inputs, op.outputs, {**op.attrs, "split_k": parts})
-                tiles = tiles_of(rows, columns)
-                notes.append(f"{graph.name}/{op.outputs[0]}: {rows} x {columns} over K = {reduction} has {tiles} "
-                             f"tiles of {TILE} x {TILE} for {sms} SMs -> {parts} partial GEMMs over "
-                             f"K = {reduction // parts} ({tiles * parts} tiles, {rounds(tiles, parts, sms):.2f} "
-                             f"of the rounds of tiles), then their sum")
-        changed |= new is not op
-        ops.append(new)
-    if not changed:
-        return graph
-    return graph.with_ops(ops)
+    def rewrite(_, op: Op) -> list[Op]:
+        if op.attrs.get("split_k", 1) != 1 or (gemm := gemm_of(graph, op)) is None:
+            return [op]
+        rows, columns, reduction = gemm
+        parts = parts_for(rows, columns, reduction, sms)
+        if parts == 1:
+            return [op]
+        tiles = tiles_of(rows, columns)
+        notes.append(f"{graph.name}/{op.outputs[0]}: {rows} x {columns} over K = {reduction} has {tiles} "
+                     f"tiles of {TILE} x {TILE} for {sms} SMs -> {parts} partial GEMMs over "
+                     f"K = {reduction // parts} ({tiles * parts} tiles, {rounds(tiles, parts, sms):.2f} "
+                     f"of the rounds of tiles), then their sum")
+        return [Op(op.kind, op.inputs, op.outputs, {**op.attrs, "split_k": parts})]
+
+    return graph.rewritten(rewrite, lambda body: _rewritten(body, sms, notes))

@@ -11,8 +11,8 @@ compiles as fast as one cell while staying one program.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -134,6 +134,30 @@ class Graph:
                           self.recipes)
         rewritten.weight_notes = self.weight_notes
         return rewritten
+
+    def rewritten(self, rewrite: Callable[[int, Op], Sequence[Op | Scan]],
+                  scan: Callable[[Graph], Graph]) -> Graph:
+        """A graph pass's rewrite: each op (at its index) replaced by the ops ``rewrite`` returns
+        for it (none to drop it), each scan's body by ``scan`` of it, in order; this graph itself
+        where nothing changed."""
+        ops, changed = [], False
+        for index, op in enumerate(self.ops):
+            if isinstance(op, Scan):
+                body = scan(op.body)
+                new = [op if body is op.body else replace(op, body=body)]
+            else:
+                new = list(rewrite(index, op))
+            changed |= len(new) != 1 or new[0] is not op
+            ops += new
+        return self.with_ops(ops) if changed else self
+
+    def readers(self) -> dict[str, list[int]]:
+        """Tensor name -> the indices of the ops that read it, in order."""
+        found: dict[str, list[int]] = {}
+        for index, op in enumerate(self.ops):
+            for name in op.inputs:
+                found.setdefault(name, []).append(index)
+        return found
 
     # -- validation -------------------------------------------------------------------------
     def _define(self, spec: TensorSpec, what: str):

@@ -236,14 +236,19 @@ def test_a_whole_row_tile_is_the_columns_over_the_warps():
     assert whole_row_tile(128, 512, 8) is None  # 8 x 4 fragments a warp: more than 16
 
 
-def test_several_rows_a_warp_need_tiles_that_divide_the_last_row_axis():
+def _rows_over_their_sums(rows: int):
+    """x / its row sums over 3 x ``rows`` rows of 64: a row-resident stage's function."""
     from tvm import te
 
-    x = te.placeholder((3, 40, 64), name="x")
+    x = te.placeholder((3, rows, 64), name="x")
     r = te.reduce_axis((0, 64), "r")
-    total = te.compute((3, 40), lambda i, j: te.sum(x[i, j, r], axis=r), name="total")
-    y = te.compute((3, 40, 64), lambda i, j, k: x[i, j, k] / total[i, j], name="y")
-    func = te.create_prim_func([x, y])
+    total = te.compute((3, rows), lambda i, j: te.sum(x[i, j, r], axis=r), name="total")
+    y = te.compute((3, rows, 64), lambda i, j, k: x[i, j, k] / total[i, j], name="y")
+    return te.create_prim_func([x, y])
+
+
+def test_several_rows_a_warp_need_tiles_that_divide_the_last_row_axis():
+    func = _rows_over_their_sums(40)
     _, schedule = row_resident_stage(func, True, THREADS, 5)  # 40 rows: one tile of 8 warps x 5
     assert (schedule.n_tiles, schedule.per_tile) == (3, 40 * 64)
     with pytest.raises(ScheduleError, match="tiles of 16 rows do not divide its last row axis \\(40\\)"):
@@ -251,13 +256,7 @@ def test_several_rows_a_warp_need_tiles_that_divide_the_last_row_axis():
 
 
 def test_tiles_of_fewer_rows_than_their_warps_idle_the_last_warps_last_rows():
-    from tvm import te
-
-    x = te.placeholder((3, 49, 64), name="x")
-    r = te.reduce_axis((0, 64), "r")
-    total = te.compute((3, 49), lambda i, j: te.sum(x[i, j, r], axis=r), name="total")
-    y = te.compute((3, 49, 64), lambda i, j, k: x[i, j, k] / total[i, j], name="y")
-    func = te.create_prim_func([x, y])
+    func = _rows_over_their_sums(49)
     _, schedule = row_resident_stage(func, True, THREADS, 7, 49)  # a window: 8 warps of 7 rows, 7 idle
     assert (schedule.n_tiles, schedule.per_tile) == (3, 49 * 64)
     with pytest.raises(ScheduleError, match="tiles of 40 rows are not 7 rows for each of 8 warps"):
