@@ -167,8 +167,8 @@ def _inline_region(region: Region, renamed: dict) -> Region:
             readers.setdefault(producer.op, []).append(stage)
     inlined: dict = {}  # old op -> its rebuilt TE, to be substituted at every load
     new: dict = {}  # old op -> its rebuilt TE, stored
-    leads_to_reduction = _layout_chains_to_reductions(stages, readers, kept)
-    rolled_to_reduction = _layout_chains_to_reductions(stages, readers, kept, through_rolls=True) - leads_to_reduction
+    leads_to_reduction, through_rolls = _layout_chains_to_reductions(stages, readers, kept)
+    rolled_to_reduction = through_rolls - leads_to_reduction
     for stage in stages:
         rebuilt = _rebuild(stage, inlined, new)
         users = readers.get(stage.op, [])
@@ -198,12 +198,12 @@ def _inline_region(region: Region, renamed: dict) -> Region:
     return Region(region.name, region.ops, region.inputs, region.outputs, tensors, op_of)
 
 
-def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: set, through_rolls: bool = False) -> set:
+def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: set) -> tuple[set, set]:
     """The ops one of whose readers is a layout TE not kept that is read by a reduction, or by a
-    layout TE that leads to one. A layout TE, as written in the program, is one load at an index
-    of its axes (a reshape, transpose or slice), or, on a chain that leads to no GEMM-shaped
-    reduction (``is_gemm``), a padding (``pads``: read by a grouped or depthwise convolution or a
-    pooling). A padding on the way to a GEMM is none, since the GEMM rules take no condition
+    layout TE that leads to one, as (without rolls, through rolls). A layout TE, as written in the
+    program, is one load at an index of its axes (a reshape, transpose or slice), or, on a chain
+    that leads to no GEMM-shaped reduction (``is_gemm``), a padding (``pads``: read by a grouped or
+    depthwise convolution or a pooling). A padding on the way to a GEMM is none, since the GEMM rules take no condition
     inside an operand: there the arithmetic before it is stored with it, and the GEMM reads it
     unconditionally. Not on the way to a batched one (a grouped convolution, its group an axis):
     a group's GEMM is small (paper ResNeXt: 196 x 16 x 144), so that the stored copy would cost
@@ -211,25 +211,26 @@ def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: s
     (``codegen.schedule.gathered_operands``). Elsewhere the arithmetic is stored in its
     producer's tiles (paper ResNeXt's batch norm and ReLU, its convolution's epilogue) and the
     padding is read through: a stage and a grid barrier fewer in most blocks (the H100 timed each
-    stored padding of paper ResNeXt at fp32 at 6-15 us, EfficientNet's at 7). ``through_rolls``:
-    a roll is a layout TE too, on a chain that leads to no GEMM at all (``codegen.commute_rolls``:
+    stored padding of paper ResNeXt at fp32 at 6-15 us, EfficientNet's at 7). Through rolls, a
+    roll is a layout TE too, on a chain that leads to no GEMM at all (``codegen.commute_rolls``:
     a LayerNorm's rows read through it); on the way to one it is stored, as a padding is."""
     pure = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
     # a padding of no condition is a plain load: ``paddings`` holds ``pure``
     paddings = {s.op for s in stages if _element_wise(s) and s.op not in kept and pads(s.op.body[0])}
-    rolled = set()
-    if through_rolls:
-        rolled = {s.op for s in stages if _element_wise(s) and s.op not in kept and rolls(s.op.body[0])}
-        # and a roll widened for a LayerNorm (the precision pass's cast of its input, exact)
-        rolled |= {s.op for s in stages if _element_wise(s) and s.op not in kept and _widens_a_load(s.op.body[0])
-                   and s.op.body[0].value.args[0].op in rolled}
-    layout = pure | (paddings - _led_to_gemm(stages, readers, paddings, batched=False)) | \
-        (rolled - _led_to_gemm(stages, readers, rolled, batched=True))
-    leads: set = set()  # the ops with a reader that is a reduction or a layout TE in ``leads``
-    for stage in reversed(stages):
-        if any(r.op.reduce_axis or (r.op in layout and r.op in leads) for r in readers.get(stage.op, [])):
-            leads.add(stage.op)
-    return {s.op for s in stages if any(r.op in layout and r.op in leads for r in readers.get(s.op, []))}
+    rolled = {s.op for s in stages if _element_wise(s) and s.op not in kept and rolls(s.op.body[0])}
+    # and a roll widened for a LayerNorm (the precision pass's cast of its input, exact)
+    rolled |= {s.op for s in stages if _element_wise(s) and s.op not in kept and _widens_a_load(s.op.body[0])
+               and s.op.body[0].value.args[0].op in rolled}
+    layout = pure | (paddings - _led_to_gemm(stages, readers, paddings, batched=False))
+
+    def chains(layout: set) -> set:
+        leads: set = set()  # the ops with a reader that is a reduction or a layout TE in ``leads``
+        for stage in reversed(stages):
+            if any(r.op.reduce_axis or (r.op in layout and r.op in leads) for r in readers.get(stage.op, [])):
+                leads.add(stage.op)
+        return {s.op for s in stages if any(r.op in layout and r.op in leads for r in readers.get(s.op, []))}
+
+    return chains(layout), chains(layout | (rolled - _led_to_gemm(stages, readers, rolled, batched=True)))
 
 
 def _widens_a_load(expr) -> bool:
