@@ -535,8 +535,9 @@ def _slice_copies(reduction: te.Tensor, extents: tuple[int, int], terms: int, el
     """A tensor-core tile's copies of its operands' slices (``extents``: rows, columns; ``terms``
     per row, all chunks), global to shared: ``vector`` elements per store, loaded as the schedule
     found (``TensorCoreTile.warp_copies``: one instruction a vector, or one a lane of it, and the
-    sectors each touches), else one coalesced instruction a vector; or one element a lane where
-    the operand is gathered (``codegen.schedule.gathered_factors``: a padded convolution's input),
+    sectors each touches; a scaled operand's too), else one coalesced instruction a vector; or one
+    element a lane where the operand is gathered under a condition
+    (``codegen.schedule.gathered_factors``: a padded convolution's input),
     whose warp reads 32 consecutive terms of a row, in the sectors the lanes' indices touch.
     ``asynchronous``: copied by ``cp.async``, which TVM prints as ``cp.async.cg`` (L2 only, no
     pass through L1) for 16 bytes a lane, the only size .cg takes, and as ``.ca`` below it."""
@@ -544,12 +545,12 @@ def _slice_copies(reduction: te.Tensor, extents: tuple[int, int], terms: int, el
     for index, (name, extent, gathered) in enumerate(zip(("first operand", "second operand"), extents,
                                                            gathered_factors(reduction))):
         measured = warp_copies[index] if warp_copies else None
-        width = 1 if gathered else measured.width if measured is not None else vector
+        width = measured.width if measured is not None else 1 if gathered else vector
         copies = extent * terms // (WARP * width)
-        if gathered:
-            loads, sectors = copies, _gathered_sectors(reduction)
-        elif measured is not None:
+        if measured is not None:
             loads, sectors = copies * measured.loads, -(-measured.sectors // measured.loads)
+        elif gathered:
+            loads, sectors = copies, _gathered_sectors(reduction)
         else:
             loads, sectors = copies, WARP * width * element // SECTOR_BYTES
         bypasses_l1 = asynchronous and not gathered and width * element == CP_ASYNC_CG_BYTES

@@ -428,7 +428,7 @@ def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: b
     gemms = []
     if gpu and epilogue_mode != "shared":
         func = te.create_prim_func(placeholders + [gathered_operands(tensor)])
-        matmul = matmul_stage(te.create_prim_func(placeholders + [widened_operands(tensor)]), threads)
+        matmul = matmul_stage(te.create_prim_func(placeholders + [widened_operands(scaled_operands(tensor))]), threads)
         gemms = tensor_core_stages(func, threads, tf32) + ([matmul] if matmul else [])
     own = _own_schedule(tensor, placeholders, gpu, threads, epilogue_mode)
     together = []
@@ -454,14 +454,26 @@ def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: b
 
 def gathered_operands(tensor: te.Tensor) -> te.Tensor:
     """``tensor`` (a reduction, or the epilogue of one) with each factor of its product that reads
-    under a condition (a convolution's padding, inlined by the ``vertical`` pass) computed by a TE
-    of its own over the axes it varies with, which the product reads at those axes: an implicit
-    im2col, ``X[n, g, i, k, rc, ry, rx]`` for a grouped convolution's input. dlight's GEMM rules
+    under a condition (a convolution's padding, inlined by the ``vertical`` pass) or that is a
+    product of two loads (a scaled operand, ``codegen.vertical``) computed by a TE of its own over
+    the axes it varies with, which the product reads at those axes: an implicit im2col,
+    ``X[n, g, i, k, rc, ry, rx]`` for a grouped convolution's input. dlight's GEMM rules
     (``get_index_map``) then see a batched matmul, and the tensor-core schedule computes the
     factor, condition and all, as it copies it into shared memory (``codegen.tensor_core``):
-    never stored. ``tensor`` itself where no factor reads conditionally."""
+    never stored. ``tensor`` itself where no factor is either."""
+    return _operands_gathered(tensor, scaled_only=False)
+
+
+def scaled_operands(tensor: te.Tensor) -> te.Tensor:
+    """``gathered_operands`` of the scaled factors alone: dlight's SIMT matmul computes them as it
+    copies them into its slices, and refuses an operand read under a condition
+    (``_gemm_rules_apply``)."""
+    return _operands_gathered(tensor, scaled_only=True)
+
+
+def _operands_gathered(tensor: te.Tensor, scaled_only: bool) -> te.Tensor:
     reduction = stage_reduction(tensor)
-    factors = (False, False) if reduction is None else gathered_factors(reduction)
+    factors = (False, False) if reduction is None else gathered_factors(reduction, scaled_only)
     if not any(factors):
         return tensor
     body = reduction.op.body[0]
@@ -475,6 +487,10 @@ def gathered_operands(tensor: te.Tensor) -> te.Tensor:
         inner = _uncast(factor)
         used = tirx.analysis.undefined_vars(inner)
         kept = [i for i, var in enumerate(axes) if any(var.same_as(v) for v in used)]
+        if not _conditional(inner):
+            # a scaled operand in its tensor's order (a 1 x 1 convolution's input: [rc, yy, xx]),
+            # so that the tensor-core copy, along its last axis, reads consecutive elements
+            kept.sort(key=lambda i: _first_use(_whole_load(inner), axes[i]))
         gathered[k] = (_gathered(inner, [axes[i] for i in kept], [extents[i] for i in kept],
                                  f"{reduction.op.name}_gathered{k}"), kept)
 
@@ -499,16 +515,43 @@ def gathered_operands(tensor: te.Tensor) -> te.Tensor:
                      f"gathering {tensor.op.name}")
 
 
-def gathered_factors(reduction: te.Tensor) -> tuple[bool, bool]:
+def gathered_factors(reduction: te.Tensor, scaled_only: bool = False) -> tuple[bool, bool]:
     """Which factors of ``reduction``'s product ``gathered_operands`` computes as TEs of their own
-    (those that read under a condition): none where the body is not one plain sum of a product."""
+    (those that read under a condition, unless ``scaled_only``, and those that are a product of
+    two loads): none where the body is not one plain sum of a product."""
     body = reduction.op.body[0] if len(reduction.op.body) == 1 else None
     if body is None or len(body.source) != 1 or not _is_true(body.condition) or body.init:
         return False, False
     product = _uncast(body.source[0])
     if not isinstance(product, tirx.Mul):
         return False, False
-    return _conditional(_uncast(product.a)), _conditional(_uncast(product.b))
+    return tuple((not scaled_only and _conditional(_uncast(f))) or scaled_factors(f) is not None
+                 for f in (product.a, product.b))
+
+
+def _whole_load(expr):
+    """The load of the larger tensor of a scaled operand (``scaled_factors``)."""
+    return max(scaled_factors(expr), key=lambda load: _fold(lambda a, b: a * b, (int(d) for d in load.tensor.shape), 1))
+
+
+def _first_use(load, var) -> int:
+    """The first index of ``load`` that ``var`` occurs in (past the last where none does)."""
+    for position, index in enumerate(load.indices):
+        if any(var.same_as(v) for v in tirx.analysis.undefined_vars(index)):
+            return position
+    return len(load.indices)
+
+
+def scaled_factors(expr) -> tuple | None:
+    """The two loads of ``expr`` where it is their product, each perhaps cast (a tensor scaled by
+    another, ``codegen.vertical``'s scaled operand), else None."""
+    product = _uncast(expr)
+    if not isinstance(product, tirx.Mul):
+        return None
+    factors = [_uncast(product.a), _uncast(product.b)]
+    if not all(is_call_to(f, TENSOR_LOAD) for f in factors):
+        return None
+    return tuple(tensor_loads(f)[0] for f in factors)
 
 
 def _gathered(expr, axes: list, extents: list, name: str) -> te.Tensor:

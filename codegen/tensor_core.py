@@ -354,11 +354,25 @@ def _loads_as_vectors(sch: s_tir.Schedule, copy, width: int) -> bool:
     Else it loads lane by lane, and prints eight lanes as a ``make_uint4`` or ``make_longlong4`` of
     eight values, which nvcc refuses (a grouped convolution's weights, ``[O, C, 3, 3]`` read at
     ``k // 9``, ``k % 9 // 3`` and ``k % 3``: consecutive, not a ramp to the vectorizer)."""
+    vectors = _vector_loads(sch, copy, width)
+    return vectors is not None and all(vectors)
+
+
+def _vector_loads(sch: s_tir.Schedule, copy, width: int) -> list[bool] | None:
+    """For each load of ``copy`` (``_copy_loads``), whether TVM loads its vector with one
+    instruction (``_loads_as_vectors``); None where the schedule has no realize of the copy."""
     loads = _copy_loads(sch, copy)
     if loads is None:
-        return False
+        return None
     loops = [sch.get(loop) for loop in sch.get_loops(copy)]
+    analyzer = tvm.sym.Analyzer()
+    for loop in loops:
+        analyzer.bind(loop.loop_var, tvm.ir.Range.from_min_extent(loop.min, loop.extent))
+    vectors = []
     for load, flat in loads:
+        # simplified first, as the kernel's lowering simplifies before it vectorizes: a 1 x 1
+        # convolution's input read at [c, hw // 14, hw % 14] is read at 196 c + hw
+        flat = analyzer.simplify(flat)
         dtype = str(load.source.dtype)
         source = tirx.decl_buffer((math.prod(int(d) for d in load.source.shape),), dtype, "source")
         target = tirx.decl_buffer((width,), dtype, "target")
@@ -370,16 +384,16 @@ def _loads_as_vectors(sch: s_tir.Schedule, copy, width: int) -> bool:
         indices = []
         tvm_ffi.structural_walk(lowered.body, lambda node: indices.extend(node.indices)
                                 if isinstance(node, TensorLoad) else None)
-        if not indices or not all(one_vector_instruction(i, width, write=False) for i in indices):
-            return False
-    return True
+        vectors.append(bool(indices) and all(one_vector_instruction(i, width, write=False) for i in indices))
+    return vectors
 
 
 def _warp_copy(sch: s_tir.Schedule, copy, width: int, asynchronous: bool) -> WarpCopy:
     """What the first warp's first copy of ``copy`` (an operand's copy into its slice, its producers
     inlined, its last two loops the lanes and the ``width`` elements of each lane's vector) loads:
     one instruction a load of the copy where it is a cp.async (``asynchronous``: whole vectors,
-    ``_copies_whole_vectors``) or TVM loads the vector as one (``_loads_as_vectors``), else one a
+    ``_copies_whole_vectors``) or TVM loads the vector as one (``_loads_as_vectors``), one where
+    it reads one element for the whole vector, else one a
     lane of the vector, each touching the sectors of its lanes' elements (an index that
     reads memory, a gather, a sector of its own). Coalesced, a warp's 16-byte copies touch 16
     sectors in one instruction; A^T's 4-element copies, each vector gathered from four rows of A,
@@ -388,18 +402,28 @@ def _warp_copy(sch: s_tir.Schedule, copy, width: int, asynchronous: bool) -> War
     lane, vector = loops[-2], loops[-1]
     outer = {loop.loop_var: loop.min for loop in loops[:-2]}  # the first warp's first copy
     analyzer = tvm.sym.Analyzer()
-    whole = asynchronous or (width > 1 and _loads_as_vectors(sch, copy, width))
+    copy_loads = _copy_loads(sch, copy)
+    vectors = [asynchronous] * len(copy_loads) if asynchronous or width == 1 else _vector_loads(sch, copy, width)
     loads = sectors = 0
-    for load, flat in _copy_loads(sch, copy):
+    for (load, flat), whole in zip(copy_loads, vectors):
         itemsize = tvm.DataType(str(load.source.dtype)).bits // 8
         flat = analyzer.simplify(tvm_ffi.structural_map(flat, [(tirx.Var, lambda v: outer.get(v, v))]))
 
-        def sector(at_lane: int, element: int):
+        def element_at(at_lane: int, element: int):
             point = {lane.loop_var: lane.min + at_lane, vector.loop_var: vector.min + element}
             index = analyzer.simplify(tvm_ffi.structural_map(flat, [(tirx.Var, lambda v: point.get(v, v))]))
-            return index.value * itemsize // SECTOR_BYTES if isinstance(index, tirx.IntImm) else (at_lane, element)
+            return index.value if isinstance(index, tirx.IntImm) else None
 
-        instructions = [range(width)] if whole else [[element] for element in range(width)]
+        def sector(at_lane: int, element: int):
+            index = element_at(at_lane, element)
+            return (at_lane, element) if index is None else index * itemsize // SECTOR_BYTES
+
+        # the same element for the whole vector (a scaled operand's scale): nvcc loads it once
+        broadcast = all(element_at(at_lane, 0) is not None and
+                        all(element_at(at_lane, e) == element_at(at_lane, 0) for e in range(1, width))
+                        for at_lane in range(WARP))
+
+        instructions = [range(width)] if whole else [[0]] if broadcast else [[element] for element in range(width)]
         loads += len(instructions)
         sectors += sum(len({sector(at_lane, element) for at_lane in range(WARP) for element in elements})
                        for elements in instructions)
@@ -494,12 +518,25 @@ def _operands_swapped(func: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
     return tvm_ffi.structural_map(func, [(s_tir.SBlock, swap)])
 
 
-def _conditional_reads(sch: s_tir.Schedule, block) -> list[bool]:
-    """For each buffer ``block`` reads, whether the block that computes it ``selects`` its values
-    (``codegen.schedule.gathered_operands``: a padded convolution's input)."""
-    conditional = [write.source for producer in sch.get_producers(block) if selects(sch.get(producer))
-                   for write in sch.get(producer).writes]
-    return [any(read.source.same_as(c) for c in conditional) for read in sch.get(block).reads]
+def _computed_reads(sch: s_tir.Schedule, block, selecting: bool = False) -> list[bool]:
+    """For each buffer ``block`` reads, whether a block of the function computes it from other
+    values (``codegen.schedule.gathered_operands``: a padded convolution's input, a scaled
+    operand), not only reads it elsewhere (a slice); with ``selecting``, one that ``selects`` its
+    values (a padding)."""
+    computed = [write.source for producer in sch.get_producers(block)
+                if selects(sch.get(producer)) or (not selecting and _computes(sch.get(producer)))
+                for write in sch.get(producer).writes]
+    return [any(read.source.same_as(c) for c in computed) for read in sch.get(block).reads]
+
+
+def _computes(block: s_tir.SBlock) -> bool:
+    """Whether ``block`` stores anything but one load, perhaps cast."""
+    if not isinstance(block.body, tirx.BufferStore):
+        return True
+    value = block.body.value
+    while isinstance(value, tirx.Cast):
+        value = value.value
+    return not isinstance(value, TensorLoad)
 
 
 # The most accumulator fragments a warp of a whole-row tile holds (``whole_row_tile``): 16, eight
@@ -540,7 +577,8 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
     or one whose padded tiles the GEMM's outputs would fill less than ``min_use`` of, or a narrow
     tile for a GEMM wider than ``NARROW_COLUMNS`` that a wide tile fills to ``wide_min_use``. Its
     tiles are bound to ``blockIdx.z`` (the batch) and ``blockIdx.x``, as dlight binds them. An operand
-    computed under a condition (``codegen.schedule.gathered_operands``) is copied element-wise.
+    computed (``codegen.schedule.gathered_operands``) is copied through registers: under a
+    condition, element-wise; scaled, in vectors.
     Returned with the tile as scheduled: one that asks for cp.async copies of operands that are not
     read in whole vectors (``_copies_whole_vectors``) gets the register pipeline instead."""
     if threads % (tile.warps * WARP):
@@ -551,7 +589,7 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         return None
     main = reductions[0]
     stmt = sch.get(main)
-    conditional = _conditional_reads(sch, main)
+    conditional, computed = _computed_reads(sch, main, selecting=True), _computed_reads(sch, main)
     operands = [str(r.source.dtype) for r in stmt.reads]
     if operands not in [[dtype, dtype] for dtype in _operand_dtypes(tile)] or \
             [str(w.source.dtype) for w in stmt.writes] != ["float32"]:
@@ -645,7 +683,8 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         fused = sch.fuse(*sch.get_loops(copy)[-2:])
         # an operand computed under a condition (a padding) is copied an element at a time: a
         # vector select loads every element of the vector, those the condition excludes too
-        # (TVM vectorizes one whose indices are a ramp: a padded input read along its rows)
+        # (TVM vectorizes one whose indices are a ramp: a padded input read along its rows); a
+        # scaled one is multiplied a vector at a time
         width = widths[index]
         _, copy_warp, lane, vector = sch.split(fused, [None, threads // WARP, WARP, width])
         sch.bind(lane, "threadIdx.x")
@@ -664,9 +703,10 @@ def tensor_core_schedule(func: tirx.PrimFunc, tile: TensorCoreTile, threads: int
         # eight 16-bit lanes as code nvcc refuses: ``VECTOR`` elements then
         return tensor_core_schedule(func, dataclasses.replace(tile, copy_vector=VECTOR), threads, min_use, wide_min_use,
                                     swapped)
-    # a cp.async moves 4, 8 or 16 bytes: an element a lane goes through registers
-    if tile.copies_async and not (min(widths) > 1 and all(_copies_whole_vectors(sch, copy, width)
-                                                          for copy, width in zip((a_shared, b_shared), widths))):
+    # a cp.async moves 4, 8 or 16 bytes: an element a lane goes through registers, and so does a
+    # computed operand (scaled: a cp.async copies, it does not multiply)
+    if tile.copies_async and (any(computed) or not (min(widths) > 1 and all(
+            _copies_whole_vectors(sch, copy, width) for copy, width in zip((a_shared, b_shared), widths)))):
         tile = dataclasses.replace(tile, async_stages=0)
     tile = dataclasses.replace(tile, warp_copies=tuple(
         None if gathered else _warp_copy(sch, copy, width, tile.copies_async)

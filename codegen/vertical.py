@@ -36,7 +36,7 @@ from analysis.characterize import is_gemm, same_elements_axis
 from analysis.dependence import (IF_THEN_ELSE, TENSOR_LOAD, access_relations, is_call_to, iteration_domain,
                                  tensor_loads)
 from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, MAX_NESTED_SELECTS, nested_expanded_calls, nested_selects
-from codegen.schedule import SAME_ELEMENTS_AXIS_MAX
+from codegen.schedule import SAME_ELEMENTS_AXIS_MAX, scaled_factors
 from souffle.lower import LoopRegion, Region, TEProgram
 from souffle.passes import Outcome
 
@@ -169,11 +169,15 @@ def _inline_region(region: Region, renamed: dict) -> Region:
     new: dict = {}  # old op -> its rebuilt TE, stored
     leads_to_reduction, through_rolls = _layout_chains_to_reductions(stages, readers, kept)
     rolled_to_reduction = through_rolls - leads_to_reduction
+    scaled, scales = _scaled_operands(stages, readers, kept)
     for stage in stages:
         rebuilt = _rebuild(stage, inlined, new)
         users = readers.get(stage.op, [])
         relaid = None
-        if stage.op not in kept and inlinable(rebuilt, users, stage.op):
+        if stage.op in scaled:
+            inlined[stage.op] = rebuilt
+            continue
+        if stage.op not in kept and stage.op not in scales and inlinable(rebuilt, users, stage.op):
             if not (_anchored(stage, rebuilt, users, leads_to_reduction) or
                     (_reads_a_result_each(rebuilt) and _anchored(stage, rebuilt, users, rolled_to_reduction))):
                 inlined[stage.op] = rebuilt
@@ -196,6 +200,48 @@ def _inline_region(region: Region, renamed: dict) -> Region:
     tensors = {name: new.get(t.op, t) for name, t in region.tensors.items() if t.op not in inlined}
     op_of = {new[op].op: origin for op, origin in region.op_of.items() if op in new}
     return Region(region.name, region.ops, region.inputs, region.outputs, tensors, op_of)
+
+
+def _scaled_operands(stages: list[te.Tensor], readers: dict, kept: set) -> tuple[set, set]:
+    """(the ops that scale a tensor by a smaller one, ``x[i] * s[j]``, read by GEMM-shaped
+    reductions alone: inlined into them as an operand the tensor cores compute as they copy it
+    (``codegen.schedule.gathered_operands``); the ops of their scales ``s``, stored). EfficientNet's
+    squeeze-and-excitation scales the depthwise convolution's output by a channel's gate before
+    the projection: stored, the product was a stage of its own behind a grid barrier, in each of
+    paper EfficientNet's 16 blocks. The gate (a sigmoid of the excitation's output) is stored as
+    that output's epilogue, once per channel, not recomputed for every element the GEMM copies."""
+    copies = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
+
+    def read_by(stage: te.Tensor, through: set) -> list[te.Tensor]:
+        """The TEs that read ``stage``, through copies (a 1 x 1 convolution's padding of none),
+        which are added to ``through``."""
+        found = []
+        for reader in readers.get(stage.op, []):
+            if reader.op in copies:
+                through.add(reader.op)
+                found.extend(read_by(reader, through))
+            else:
+                found.append(reader)
+        return found
+
+    scaled, scales = set(), set()
+    for stage in stages:
+        through: set = set()
+        users = read_by(stage, through)
+        if stage.op in kept or not users or not _element_wise(stage) or \
+                not all(_is_reduction(u) and is_gemm(u) and not is_gemm(u, batched=True) for u in users):
+            continue
+        factors = scaled_factors(stage.op.body[0])
+        if factors is None:
+            continue
+        size = _size(stage.shape)
+        whole = [f for f in factors if _size(f.tensor.shape) == size and
+                 all(_at_axis(index, axis) for index, axis in zip(f.indices, stage.op.axis))]
+        scale = [f for f in factors if _size(f.tensor.shape) < size]
+        if len(whole) == 1 and len(scale) == 1:
+            scaled |= {stage.op} | through
+            scales.add(scale[0].tensor.op)
+    return scaled, scales
 
 
 def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: set) -> tuple[set, set]:

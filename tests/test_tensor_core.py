@@ -423,6 +423,23 @@ def test_a_pointwise_convolution_is_the_transposed_gemm_with_its_copies_async(or
     np.testing.assert_allclose(output.reshape(expected.shape), expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.usefixtures("tensor_cores_wherever_they_apply")
+def test_a_pointwise_convolution_over_a_28_x_28_map_copies_its_input_16_bytes_a_lane():
+    """The input read at [c, hw // 28, hw % 28] is read at 784 c + hw once TVM simplifies the
+    index, as the kernel's lowering does before it vectorizes: 8 halves a lane (16 bytes, one
+    cp.async.cg each), where the check, vectorizing the unsimplified index, found no ramp and
+    copied 4 (paper ResNeXt's 1 x 1 convolutions over 28 x 28); the output matches PyTorch on
+    emulated threads."""
+    graph, inputs, expected = _pointwise_conv(64, 48, 28)
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision="fp16")
+    (stage,) = [s for s in model.kernel_plan.staged.stages() if s.schedule.tensor_core_tile]
+    tile = stage.schedule.tensor_core_tile
+    assert tile.copies_async and tile.warp_copies == (WarpCopy(8, 1, 16), WarpCopy(8, 1, 16))
+    assert "cp.async.cg.shared.global" in model.source and "cp.async.ca.shared.global" not in model.source
+    (output,) = model.schedule("descending", model.emulator.sms, seed=5).run(inputs)
+    np.testing.assert_allclose(output.reshape(expected.shape), expected, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("order", ["ascending", "descending"])
 def test_a_pointwise_convolution_over_a_7_x_7_map_is_the_transposed_gemm_copied_an_element_a_lane(order, monkeypatch):
     """A 7 x 7 map is 49 columns of the transposed GEMM, not whole vectors: the input (kept
