@@ -15,6 +15,13 @@ pixel, and is split the same way (``conv2d``'s ``split_k``): on the H100, paper 
 The price is one grid barrier and the partial products' round trip through L2 (``parts x M x N``
 float32 values).
 
+A ``mean`` over its last axes of few outputs is split the same way (``mean``'s ``split``): its
+tiles are ``MEANS_PER_TILE`` outputs, one a warp, each warp summing all of its output's elements.
+Paper EfficientNet's first squeeze takes the mean of 12544 elements for each of 32 channels, 4
+tiles for 132 SMs (the H100 model: 5.0 us, latency-bound); in 16 runs of 784 it is 64 tiles, then
+a sum of 16 partial sums per channel, a stage of one tile that the excitation, in the same block,
+reads after a ``__syncthreads``: no grid barrier more than before.
+
 ``parts``, a power of two whose slices keep at least ``MIN_CHUNK`` of K, minimizes the rounds
 of tiles the grid runs, each ``parts`` times shorter: ``ceil(tiles x parts / slots) / parts``,
 averaged over one and two blocks per SM (the kernel's residency is known only after ptxas; paper
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import math
 
+from codegen.schedule import WARP_REDUCE_MIN_EXTENT
 from souffle.graph import Graph, Op
 from souffle.ops.nn import is_pointwise_gemm
 from souffle.ops.registry import full_attrs, get_rule
@@ -38,11 +46,22 @@ BLOCKS_PER_SM = (1, 2)  # the residencies a split is chosen for (codegen.schedul
 # tile's prologue and its partial sums (written and read once) stay small against its operands.
 MIN_CHUNK = 512
 MIN_GAIN = 0.2  # the share of a GEMM's rounds of tiles a split must save
+MEANS_PER_TILE = 8  # a warp_reduce tile's outputs: one a warp, 8 warps a block (codegen.schedule)
+# Each partial sum of a split mean keeps at least this many elements, 16 a lane: a mean of 784 in
+# two runs of 392 (paper EfficientNet's at 28 x 28) saved 0.15 us on the H100 model, less than
+# the grid barrier its sum put before an excitation of two tiles.
+MIN_RUN = 512
+# Fewer parts than a warp's lanes (``codegen.schedule.WARP_REDUCE_MIN_EXTENT``): their sum is then
+# a thread_reduce of 256 outputs a tile, one tile for up to 256 means, which the block that runs
+# the excitation after it (a GEMV of one tile) runs too, a ``__syncthreads`` apart; as a
+# warp_reduce of 8 outputs a tile it was a grid barrier away from it.
+MAX_MEAN_PARTS = WARP_REDUCE_MIN_EXTENT // 2
 
 
 def split_k(graph: Graph, device) -> tuple[Graph, list[str]]:
-    """``graph`` with each GEMM (``gemm_of``) whose tiles would leave the grid idle split over K (scan
-    bodies included), and one note per split; ``graph`` itself is not changed."""
+    """``graph`` with each GEMM (``gemm_of``) whose tiles would leave the grid idle split over K, and
+    each such mean (``mean_of``) over runs of its elements (scan bodies included), and one note per
+    split; ``graph`` itself is not changed."""
     notes: list[str] = []
     return _rewritten(graph, device.sms, notes), notes
 
@@ -70,6 +89,30 @@ def parts_for(rows: int, columns: int, reduction: int, sms: int) -> int:
     return best if rounds(tiles, best, sms) <= (1 - MIN_GAIN) * rounds(tiles, 1, sms) else 1
 
 
+def mean_parts_for(outputs: int, reduction: int, sms: int) -> int:
+    """The number of runs a mean of ``outputs`` outputs over ``reduction`` elements each is summed
+    in (1: no split): as ``parts_for``, each run at least ``MIN_RUN`` elements."""
+    tiles = math.ceil(outputs / MEANS_PER_TILE)
+    candidates = [2 ** e for e in range(reduction.bit_length())
+                  if reduction % 2 ** e == 0 and reduction // 2 ** e >= MIN_RUN and 2 ** e <= MAX_MEAN_PARTS]
+    best = min(candidates or [1], key=lambda parts: (rounds(tiles, parts, sms), parts))
+    return best if rounds(tiles, best, sms) <= (1 - MIN_GAIN) * rounds(tiles, 1, sms) else 1
+
+
+def mean_of(graph: Graph, op: Op) -> tuple[int, int] | None:
+    """(outputs, elements each) of a ``mean`` over its last axes, the means ``split_k`` can
+    split; None for any other op."""
+    if op.kind != "mean":
+        return None
+    shape = graph.tensors[op.inputs[0]].shape
+    axes = full_attrs(get_rule("mean"), op.attrs, "op mean")["axes"]
+    axes = range(len(shape)) if axes is None else [axes] if isinstance(axes, int) else axes
+    reduced = sorted({int(a) % len(shape) for a in axes})
+    if reduced != list(range(len(shape) - len(reduced), len(shape))):
+        return None
+    return math.prod(shape[:len(shape) - len(reduced)]), math.prod(shape[len(shape) - len(reduced):])
+
+
 def gemm_of(graph: Graph, op: Op) -> tuple[int, int, int] | None:
     """(rows, columns, reduction) of an op ``split_k`` can split: a ``dense``, or a ``conv2d``
     that is a GEMM over its input channels as it stands (1x1, stride 1, unpadded, ungrouped:
@@ -87,6 +130,8 @@ def gemm_of(graph: Graph, op: Op) -> tuple[int, int, int] | None:
 
 def _rewritten(graph: Graph, sms: int, notes: list[str]) -> Graph:
     def rewrite(_, op: Op) -> list[Op]:
+        if op.attrs.get("split", 1) == 1 and (mean := mean_of(graph, op)) is not None:
+            return _split_mean(op, *mean)
         if op.attrs.get("split_k", 1) != 1 or (gemm := gemm_of(graph, op)) is None:
             return [op]
         rows, columns, reduction = gemm
@@ -99,5 +144,16 @@ def _rewritten(graph: Graph, sms: int, notes: list[str]) -> Graph:
                      f"K = {reduction // parts} ({tiles * parts} tiles, {rounds(tiles, parts, sms):.2f} "
                      f"of the rounds of tiles), then their sum")
         return [Op(op.kind, op.inputs, op.outputs, {**op.attrs, "split_k": parts})]
+
+    def _split_mean(op: Op, outputs: int, reduction: int) -> list[Op]:
+        parts = mean_parts_for(outputs, reduction, sms)
+        if parts == 1:
+            return [op]
+        tiles = math.ceil(outputs / MEANS_PER_TILE)
+        notes.append(f"{graph.name}/{op.outputs[0]}: {outputs} means of {reduction} elements have {tiles} "
+                     f"tiles of {MEANS_PER_TILE} for {sms} SMs -> {parts} partial sums of {reduction // parts} "
+                     f"each ({tiles * parts} tiles, {rounds(tiles, parts, sms):.2f} of the rounds of tiles), "
+                     f"then their sum")
+        return [Op(op.kind, op.inputs, op.outputs, {**op.attrs, "split": parts})]
 
     return graph.rewritten(rewrite, lambda body: _rewritten(body, sms, notes))

@@ -802,7 +802,7 @@ REFERENCE: dict[str, Callable] = {
     "avg_pool2d": lambda x, kernel, stride, padding, ceil_mode, count_include_pad: F.avg_pool2d(
         x, _window(kernel), _window(stride), _window(padding), ceil_mode, count_include_pad),
     "global_avg_pool2d": lambda x: x.mean((2, 3), keepdim=True),
-    "mean": lambda x, axes, keepdims: x.mean(_all_axes(axes, x.dim()), keepdim=keepdims),
+    "mean": lambda x, axes, keepdims, split=1: x.mean(_all_axes(axes, x.dim()), keepdim=keepdims),  # split: the same mean
     "embedding": _reference_embedding,
     "reshape": lambda x, shape: x.reshape(_ints(shape)),
     "transpose": lambda x, axes: x.permute(tuple(reversed(range(x.dim()))) if axes is None else _ints(axes)),

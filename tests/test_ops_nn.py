@@ -251,6 +251,9 @@ def test_pool_refuses_wrong_rank():
         ({"axes": (0, 2), "keepdims": True}, (3, 4, 5)),
         ({"axes": [-2, 0]}, (3, 4, 5)),
         ({"axes": 1}, (2, 4096)),
+        ({"axes": (2, 3), "keepdims": True, "split": 4}, (2, 3, 8, 6)),  # runs of 12 across rows
+        ({"axes": [-1, -2], "split": 16}, (2, 3, 8, 6)),
+        ({"axes": None, "split": 2}, (3, 4, 5)),
     ],
 )
 def test_mean(run_op, rng, attrs, shape):
@@ -269,6 +272,9 @@ def test_mean(run_op, rng, attrs, shape):
         ({"axes": 3}, "axes 3 is out of range for a rank-3 tensor"),
         ({"axes": 1.0}, "axes must be an int or a list of ints"),
         ({"keepdims": "yes"}, "keepdims must be True or False"),
+        ({"axes": (0, 1), "split": 2}, r"split applies to a reduction over the last axes, got axes \[0, 1\]"),
+        ({"axes": 2, "split": 3}, "split must be a positive integer dividing the reduced elements 4, got 3"),
+        ({"axes": 2, "split": 0}, "split must be a positive integer"),
     ],
 )
 def test_mean_refuses(attrs, reason):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import souffle
-from codegen.split_k import parts_for
+from codegen.split_k import mean_parts_for, parts_for
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
 
@@ -172,3 +172,70 @@ def test_a_split_of_a_convolution_that_is_no_gemm_is_refused_by_name():
     b.param("w1", np.zeros((8, 64, 1, 1), np.float32))
     with pytest.raises(Exception, match="split_k must be a positive integer dividing the input channels 64, got 3"):
         b.op("conv2d", x, "w1", split_k=3)
+
+
+@pytest.mark.parametrize("mean, parts", [
+    ((32, 12544), 16),  # paper EfficientNet's first squeeze: 4 tiles -> 64
+    ((96, 3136), 4),  # its second and third: 12 and 18 tiles
+    ((144, 3136), 4),
+    ((144, 784), 1),  # runs of 392 would be under MIN_RUN
+    ((1152, 49), 1),
+    ((2048, 4096), 1),  # 256 tiles fill the grid at two blocks an SM
+])
+def test_mean_parts_follow_the_rounds_of_tiles_on_132_sms(mean, parts):
+    assert mean_parts_for(*mean, sms=132) == parts
+
+
+def _squeeze(side: int = 32, seed: int = 0):
+    """A squeeze-and-excitation's first half: the mean of each of 32 channels over a side x side
+    map, then a 1 x 1 convolution to 8 channels and a SiLU."""
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder("squeeze")
+    x = b.input("x", (1, 32, side, side))
+    w = b.param("w", (rng.standard_normal((8, 32, 1, 1)) / 4).astype(np.float32))
+    squeezed = b.op("mean", x, axes=[-1, -2], keepdims=True, name="squeezed")
+    graph = b.build(b.op("silu", b.op("conv2d", squeezed, w, stride=1, padding=0, groups=1)))
+    inputs = {"x": rng.standard_normal((1, 32, side, side)).astype(np.float32)}
+    z = np.einsum("oc,c->o", graph.weights["w"][:, :, 0, 0], inputs["x"].astype(np.float64).mean((2, 3))[0])
+    return graph, inputs, (z / (1 + np.exp(-z))).reshape(1, 8, 1, 1)
+
+
+def test_a_mean_of_few_outputs_is_partial_sums_then_their_sum_in_the_excitation_s_block():
+    """32 means of 1024 elements: 4 tiles, in two runs of 512 each 8; the sum of the two is one tile,
+    which the excitation's one tile reads a __syncthreads after, as it read the mean before."""
+    graph, _, _ = _squeeze()
+    o4 = run_passes(graph, "cuda", stop="plan_arena", opt_level=4)
+    assert [n for n in o4.notes("transform") if n.startswith("squeeze/squeezed")] == [
+        "squeeze/squeezed: 32 means of 1024 elements have 4 tiles of 8 for 132 SMs -> 2 partial sums of 512 "
+        "each (8 tiles, 0.50 of the rounds of tiles), then their sum"]
+    partial, total, excitation = o4.ir.stages()
+    assert "partial_sums" in partial.name and partial.schedule.n_tiles == 8
+    assert total.barrier is not None and total.schedule.n_tiles == 1
+    assert excitation.barrier is None and excitation.block_barrier is not None
+    o3 = run_passes(graph, "cuda", stop="plan_arena", opt_level=3)
+    assert not [s for s in o3.ir.stages() if "partial_sums" in s.name]
+
+
+def test_a_short_mean_is_not_split():
+    graph, _, _ = _squeeze(side=16)  # 256 elements a mean
+    assert not [n for n in run_passes(graph, "cuda", stop="split_k", opt_level=4).notes("transform")
+                if n.startswith("squeeze/")]
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-5), ("fp16", 1e-2)])
+def test_the_split_mean_matches_numpy_on_emulated_threads(precision, tolerance):
+    graph, inputs, expected = _squeeze()
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
+    (partial,) = [s for s in model.kernel_plan.staged.stages() if "partial_sums" in s.name]
+    assert str(partial.tensor.dtype) == "float32"  # the partial sums of a float16 map stay float32
+    for order in ("ascending", "descending"):
+        np.testing.assert_allclose(model.schedule(order, None, seed=5).run(inputs)[0], expected,
+                                   rtol=tolerance, atol=tolerance)
+
+
+def test_a_mean_over_one_axis_given_as_an_int_is_split():
+    b = GraphBuilder("rows")
+    graph = b.build(b.op("mean", b.input("x", (16, 8192)), axes=-1, name="means"))
+    notes = run_passes(graph, "cuda", stop="split_k", opt_level=4).notes("transform")
+    assert notes == ["rows/means: 16 means of 8192 elements have 2 tiles of 8 for 132 SMs -> 16 partial sums of 512 "
+                     "each (32 tiles, 0.06 of the rounds of tiles), then their sum"]

@@ -73,10 +73,10 @@ def _dense(specs, attrs):
     return [(x.shape[:-1] + (w.shape[0],), x.dtype)]
 
 
-def _require_split(parts, reduction: int, what: str) -> None:
-    """``split_k`` is a positive integer dividing the reduction (``what``, of ``reduction`` terms)."""
+def _require_split(parts, reduction: int, what: str, attr: str = "split_k") -> None:
+    """``attr`` is a positive integer dividing the reduction (``what``, of ``reduction`` terms)."""
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or reduction % parts:
-        fail(f"split_k must be a positive integer dividing {what} {reduction}, got {parts!r}")
+        fail(f"{attr} must be a positive integer dividing {what} {reduction}, got {parts!r}")
 
 
 @register_op("dense", infer=_dense, n_inputs=(2, 3), attrs={"split_k": 1})
@@ -628,18 +628,52 @@ def _mean(specs, attrs):
     require_float(x)
     require_bool(attrs, "keepdims")
     axes = _mean_axes(len(x.shape), attrs["axes"])
+    parts = attrs.get("split", 1)
+    if parts != 1:
+        if sorted(axes) != list(range(len(x.shape) - len(axes), len(x.shape))):
+            fail(f"split applies to a reduction over the last axes, got axes {list(axes)} of a rank-{len(x.shape)} input")
+        _require_split(parts, prod(x.shape[a] for a in axes), "the reduced elements", "split")
     if attrs["keepdims"]:
         return [(tuple(1 if i in axes else d for i, d in enumerate(x.shape)), x.dtype)]
     return [(tuple(d for i, d in enumerate(x.shape) if i not in axes), x.dtype)]
 
 
-@register_op("mean", infer=_mean, n_inputs=1, attrs={"axes": None, "keepdims": False}, widen=True)
-def mean(inputs, axes, keepdims):
-    """torch.mean over ``axes`` (all axes when None): a sum, then one division."""
+@register_op("mean", infer=_mean, n_inputs=1, attrs={"axes": None, "keepdims": False, "split": 1}, widen=True)
+def mean(inputs, axes, keepdims, split=1):
+    """torch.mean over ``axes`` (all axes when None): a sum, then one division.
+
+    ``split`` > 1 (``axes`` the last axes) sums that many equal runs of the reduced elements, in
+    row-major order, each a partial sum of its own, then the partial sums: ``split`` times the
+    outputs for a reduction whose outputs alone would leave SMs idle (``codegen.split_k``: paper
+    EfficientNet's first squeeze, 32 means of 12544 elements, 4 tiles). The same value up to
+    float32 summation order."""
     x = inputs[0]
     axes = _mean_axes(len(x.shape), axes)
-    total = topi.sum(x, axis=list(axes), keepdims=keepdims)
-    return topi.divide(total, tvm.tirx.const(prod(x.shape[a] for a in axes), x.dtype))
+    count = prod(x.shape[a] for a in axes)
+    total = topi.sum(x, axis=list(axes), keepdims=keepdims) if split == 1 else _split_sum(x, len(axes), keepdims, split)
+    return topi.divide(total, tvm.tirx.const(count, x.dtype))
+
+
+def _split_sum(x: te.Tensor, reduced: int, keepdims: bool, parts: int) -> te.Tensor:
+    """The sum over ``x``'s last ``reduced`` axes as ``parts`` partial sums of equal runs of its
+    elements, then their sum."""
+    shape = shape_of(x)
+    lead, trailing = shape[:len(shape) - reduced], shape[len(shape) - reduced:]
+    run = prod(trailing) // parts
+
+    def element(outer, flat):
+        index = []
+        for extent in reversed(trailing):
+            index.append(flat % extent)
+            flat = flat // extent
+        return x(*outer, *reversed(index))
+
+    term = te.reduce_axis((0, run), "term")
+    partial = te.compute(lead + (parts,), lambda *i: te.sum(element(i[:-1], i[-1] * run + term.var), axis=term),
+                         name=f"{x.op.name}_partial_sums")
+    part = te.reduce_axis((0, parts), "part")
+    return te.compute(lead + (1,) * reduced * keepdims,
+                      lambda *i: te.sum(partial(*i[:len(lead)], part.var), axis=part), name=f"{x.op.name}_red")
 
 
 @export_rule("mean")
