@@ -531,7 +531,7 @@ def gathered_factors(reduction: te.Tensor, scaled_only: bool = False) -> tuple[b
 
 def _whole_load(expr):
     """The load of the larger tensor of a scaled operand (``scaled_factors``)."""
-    return max(scaled_factors(expr), key=lambda load: _fold(lambda a, b: a * b, (int(d) for d in load.tensor.shape), 1))
+    return max(scaled_factors(expr), key=lambda load: product_of(int(d) for d in load.tensor.shape))
 
 
 def _first_use(load, var) -> int:

@@ -207,7 +207,7 @@ def _scaled_operands(stages: list[te.Tensor], readers: dict, kept: set) -> tuple
     reductions alone: inlined into them as an operand the tensor cores compute as they copy it
     (``codegen.schedule.gathered_operands``); the ops of their scales ``s``, stored). EfficientNet's
     squeeze-and-excitation scales the depthwise convolution's output by a channel's gate before
-    the projection: stored, the product was a stage of its own behind a grid barrier, in each of
+    the projection: stored, the product was a stage of its own behind a grid barrier, in 12 of
     paper EfficientNet's 16 blocks. The gate (a sigmoid of the excitation's output) is stored as
     that output's epilogue, once per channel, not recomputed for every element the GEMM copies."""
     copies = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
