@@ -52,7 +52,7 @@ from analysis.latency import (L1_SECTORS_PER_CLOCK, SECTOR_BYTES, LatencyEstimat
 from codegen.partition import stage_registers
 from codegen.row_resident import statistics_of
 from codegen.schedule import (MATMUL_K_CHUNK, MATMUL_MICRO, MATMUL_VECTOR, MATMUL_VTHREADS, WARP, epilogue_reduction,
-                              gathered_factors)
+                              gathered_factors, scaled_operands)
 from codegen.staged import Loop, OnChip, Stage, StagedProgram, flat_index, stage_tiles
 from codegen.tensor_core import FRAGMENT
 from codegen.traffic import (L2Traffic, StageTraffic, Traffic, compulsory_bytes, l2_traffic, memory_traffic,
@@ -197,6 +197,15 @@ def _load_work(load: OnChip, executions: int, threads: int, grid: int, blocks_pe
 def _executed_flops(tensor: te.Tensor) -> int:
     """``tensor``'s FLOPs as the GPU executes them: one branch of each ``if_then_else``."""
     return count_flops(tensor, one_branch=True)
+
+
+def _gemm_flops(stage: Stage, reduction: te.Tensor) -> int:
+    """A GEMM-shaped stage's FLOPs, its epilogue's included. A scaled operand's multiply
+    (``codegen.schedule.scaled_operands``) is done as the tile copies the operand, once for each
+    element it copies, not once for each term of each output: it is not counted (paper
+    EfficientNet's 672 -> 112 projection: 1% of its FLOPs so, 50% counted for each term)."""
+    epilogue = _executed_flops(stage.tensor) if stage.epilogue is not None else 0
+    return epilogue + _executed_flops(scaled_operands(reduction))
 
 
 def _reduction(stage: Stage) -> te.Tensor | None:
@@ -462,7 +471,7 @@ def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, d
                 MemoryAccess("row operand", "load", "shared", warps * terms * row_loads // k_vector, row_sectors),
                 MemoryAccess("column operand", "load", "shared", warps * terms * MATMUL_MICRO[1] // k_vector, 1),
                 MemoryAccess(stage.tensor.op.name, "store", "global", -(-rows * cols // WARP), WARP))
-    flops = _executed_flops(stage.tensor) + (_executed_flops(reduction) if stage.epilogue is not None else 0)
+    flops = _gemm_flops(stage, reduction)
     issued = _padded_flops(stage, reduction, rows * cols * chunks * MATMUL_K_CHUNK)
     read_bytes = sum(dram.reads)
     return StageWork(
@@ -516,7 +525,7 @@ def _tensor_core_work(stage: Stage, executions: int, grid: int, blocks_per_sm: i
                 MemoryAccess("accumulators", "load", "shared", stores, WARP * tile.store_vector * 4 // SECTOR_BYTES),
                 MemoryAccess(stage.tensor.op.name, "store", "global", stores,
                              max(1, WARP * tile.store_vector * out // SECTOR_BYTES)))
-    flops = _executed_flops(stage.tensor) + (_executed_flops(reduction) if stage.epilogue is not None else 0)
+    flops = _gemm_flops(stage, reduction)
     issued = _padded_flops(stage, reduction, rows * cols * chunks * tile.depth)
     read_bytes = sum(dram.reads)
     slices = (rows + cols) * chunks * tile.depth * element

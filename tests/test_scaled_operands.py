@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import souffle
+from analysis.device import H100
+from codegen.latency import stage_estimate
 from souffle.compiler import run_passes
 from souffle.graph import GraphBuilder
 from souffle.importers.torch_export import from_torch
@@ -104,14 +106,29 @@ def test_the_latency_model_counts_the_scale_once_for_each_vector():
     vectorizing. The first warp copies channels 0 and 1 (16 lanes each, the tile's 64 columns) of
     the graph's float32 input (cast to half as it is read): channel 0's 256 bytes in 8 sectors,
     channel 1's from byte 784 in 9, and both scales in 1."""
-    rng = np.random.default_rng(0)
-    b = GraphBuilder("scaled")
-    x, g = b.input("x", (1, 672, 14, 14)), b.input("g", (1, 672, 1, 1))
-    w = b.param("w", (rng.standard_normal((112, 672, 1, 1)) * 0.1).astype(np.float32))
-    graph = b.build(b.op("conv2d", b.op("mul", x, b.op("sigmoid", g)), w, stride=1, padding=0, groups=1))
-    staged = run_passes(graph, "cuda", stop="stage", opt_level=4, device="h100", precision="fp16").ir
-    (tile,) = [stage.schedule.tensor_core_tile for stage in staged.stages() if stage.schedule.tensor_core_tile]
+    (stage,) = _projections(scaled=True)
+    tile = stage.schedule.tensor_core_tile
     weights, scaled = tile.warp_copies
     assert (scaled.width, scaled.loads) == (4, 2)
     assert scaled.sectors == 8 + 9 + 1
     assert not tile.copies_async  # a cp.async copies, it does not multiply
+
+
+def test_the_latency_model_counts_a_scaled_projection_s_flops_as_the_product_s():
+    """The scale is multiplied once for each element the tile copies, not for each term."""
+    (scaled,), (plain,) = _projections(scaled=True), _projections(scaled=False)
+    flops = [stage_estimate(stage, H100).work.flops for stage in (scaled, plain)]
+    assert flops[0] == flops[1] == 2 * 112 * 196 * 672
+
+
+def _projections(scaled: bool) -> list:
+    """The tensor-core stages of paper EfficientNet's projection from 672 channels at 14 x 14, its
+    input scaled by a gate or not."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("scaled")
+    x, g = b.input("x", (1, 672, 14, 14)), b.input("g", (1, 672, 1, 1))
+    w = b.param("w", (rng.standard_normal((112, 672, 1, 1)) * 0.1).astype(np.float32))
+    graph = b.build(b.op("conv2d", b.op("mul", x, b.op("sigmoid", g)) if scaled else x, w, stride=1, padding=0,
+                         groups=1))
+    staged = run_passes(graph, "cuda", stop="stage", opt_level=4, device="h100", precision="fp16").ir
+    return [stage for stage in staged.stages() if stage.schedule.tensor_core_tile]
