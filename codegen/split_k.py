@@ -37,6 +37,7 @@ import math
 
 from codegen.schedule import WARP_REDUCE_MIN_EXTENT
 from souffle.graph import Graph, Op
+from souffle.ops.common import normalize_axes
 from souffle.ops.nn import is_pointwise_gemm
 from souffle.ops.registry import full_attrs, get_rule
 
@@ -82,19 +83,21 @@ def parts_for(rows: int, columns: int, reduction: int, sms: int) -> int:
     also for a GEMV, fewer than half a tile of rows or columns)."""
     if min(rows, columns) < TILE // 2:
         return 1  # a GEMV: one warp per output, no 64 x 64 tiles to count
-    tiles = tiles_of(rows, columns)
-    candidates = [2 ** e for e in range(reduction.bit_length())
-                  if reduction % 2 ** e == 0 and reduction // 2 ** e >= MIN_CHUNK]
-    best = min(candidates or [1], key=lambda parts: (rounds(tiles, parts, sms), parts))
-    return best if rounds(tiles, best, sms) <= (1 - MIN_GAIN) * rounds(tiles, 1, sms) else 1
+    return _parts(tiles_of(rows, columns), reduction, MIN_CHUNK, reduction, sms)
 
 
 def mean_parts_for(outputs: int, reduction: int, sms: int) -> int:
     """The number of runs a mean of ``outputs`` outputs over ``reduction`` elements each is summed
     in (1: no split): as ``parts_for``, each run at least ``MIN_RUN`` elements."""
-    tiles = math.ceil(outputs / MEANS_PER_TILE)
+    return _parts(math.ceil(outputs / MEANS_PER_TILE), reduction, MIN_RUN, MAX_MEAN_PARTS, sms)
+
+
+def _parts(tiles: int, reduction: int, least: int, most: int, sms: int) -> int:
+    """The power of two, at most ``most``, dividing ``reduction`` into slices of at least
+    ``least`` that minimizes the rounds of ``tiles`` tiles, where it saves ``MIN_GAIN`` of them;
+    else 1."""
     candidates = [2 ** e for e in range(reduction.bit_length())
-                  if reduction % 2 ** e == 0 and reduction // 2 ** e >= MIN_RUN and 2 ** e <= MAX_MEAN_PARTS]
+                  if reduction % 2 ** e == 0 and reduction // 2 ** e >= least and 2 ** e <= most]
     best = min(candidates or [1], key=lambda parts: (rounds(tiles, parts, sms), parts))
     return best if rounds(tiles, best, sms) <= (1 - MIN_GAIN) * rounds(tiles, 1, sms) else 1
 
@@ -106,8 +109,7 @@ def mean_of(graph: Graph, op: Op) -> tuple[int, int] | None:
         return None
     shape = graph.tensors[op.inputs[0]].shape
     axes = full_attrs(get_rule("mean"), op.attrs, "op mean")["axes"]
-    axes = range(len(shape)) if axes is None else [axes] if isinstance(axes, int) else axes
-    reduced = sorted({int(a) % len(shape) for a in axes})
+    reduced = sorted(range(len(shape)) if axes is None else normalize_axes(axes, len(shape)))
     if reduced != list(range(len(shape) - len(reduced), len(shape))):
         return None
     return math.prod(shape[:len(shape) - len(reduced)]), math.prod(shape[len(shape) - len(reduced):])

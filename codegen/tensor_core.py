@@ -354,16 +354,13 @@ def _loads_as_vectors(sch: s_tir.Schedule, copy, width: int) -> bool:
     Else it loads lane by lane, and prints eight lanes as a ``make_uint4`` or ``make_longlong4`` of
     eight values, which nvcc refuses (a grouped convolution's weights, ``[O, C, 3, 3]`` read at
     ``k // 9``, ``k % 9 // 3`` and ``k % 3``: consecutive, not a ramp to the vectorizer)."""
-    vectors = _vector_loads(sch, copy, width)
-    return vectors is not None and all(vectors)
-
-
-def _vector_loads(sch: s_tir.Schedule, copy, width: int) -> list[bool] | None:
-    """For each load of ``copy`` (``_copy_loads``), whether TVM loads its vector with one
-    instruction (``_loads_as_vectors``); None where the schedule has no realize of the copy."""
     loads = _copy_loads(sch, copy)
-    if loads is None:
-        return None
+    return loads is not None and all(_vector_loads(sch, copy, width, loads))
+
+
+def _vector_loads(sch: s_tir.Schedule, copy, width: int, loads: list) -> list[bool]:
+    """For each of ``loads`` (``copy``'s, ``_copy_loads``), whether TVM loads its vector with one
+    instruction (``_loads_as_vectors``)."""
     loops = [sch.get(loop) for loop in sch.get_loops(copy)]
     analyzer = tvm.sym.Analyzer()
     for loop in loops:
@@ -403,7 +400,8 @@ def _warp_copy(sch: s_tir.Schedule, copy, width: int, asynchronous: bool) -> War
     outer = {loop.loop_var: loop.min for loop in loops[:-2]}  # the first warp's first copy
     analyzer = tvm.sym.Analyzer()
     copy_loads = _copy_loads(sch, copy)
-    vectors = [asynchronous] * len(copy_loads) if asynchronous or width == 1 else _vector_loads(sch, copy, width)
+    vectors = [asynchronous] * len(copy_loads) if asynchronous or width == 1 else \
+        _vector_loads(sch, copy, width, copy_loads)
     loads = sectors = 0
     for (load, flat), whole in zip(copy_loads, vectors):
         itemsize = tvm.DataType(str(load.source.dtype)).bits // 8

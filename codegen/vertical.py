@@ -210,7 +210,7 @@ def _scaled_operands(stages: list[te.Tensor], readers: dict, kept: set) -> tuple
     the projection: stored, the product was a stage of its own behind a grid barrier, in 12 of
     paper EfficientNet's 16 blocks. The gate (a sigmoid of the excitation's output) is stored as
     that output's epilogue, once per channel, not recomputed for every element the GEMM copies."""
-    copies = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
+    copies = _copies(stages, kept)
 
     def read_by(stage: te.Tensor, through: set) -> list[te.Tensor]:
         """The TEs that read ``stage``, through copies (a 1 x 1 convolution's padding of none),
@@ -244,6 +244,12 @@ def _scaled_operands(stages: list[te.Tensor], readers: dict, kept: set) -> tuple
     return scaled, scales
 
 
+def _copies(stages: list[te.Tensor], kept: set) -> set:
+    """The ops, not kept, each of whose elements is one load of its input (a reshape, a
+    transpose, a slice, a padding of none)."""
+    return {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
+
+
 def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: set) -> tuple[set, set]:
     """The ops one of whose readers is a layout TE not kept that is read by a reduction, or by a
     layout TE that leads to one, as (without rolls, through rolls). A layout TE, as written in the
@@ -260,7 +266,7 @@ def _layout_chains_to_reductions(stages: list[te.Tensor], readers: dict, kept: s
     stored padding of paper ResNeXt at fp32 at 6-15 us, EfficientNet's at 7). Through rolls, a
     roll is a layout TE too, on a chain that leads to no GEMM at all (``codegen.commute_rolls``:
     a LayerNorm's rows read through it); on the way to one it is stored, as a padding is."""
-    pure = {s.op for s in stages if _element_wise(s) and is_call_to(s.op.body[0], TENSOR_LOAD) and s.op not in kept}
+    pure = _copies(stages, kept)
     # a padding of no condition is a plain load: ``paddings`` holds ``pure``
     paddings = {s.op for s in stages if _element_wise(s) and s.op not in kept and pads(s.op.body[0])}
     rolled = {s.op for s in stages if _element_wise(s) and s.op not in kept and rolls(s.op.body[0])}

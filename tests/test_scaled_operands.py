@@ -70,14 +70,14 @@ def test_the_scaled_input_of_a_projection_is_computed_as_it_is_copied(block, pre
         np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
 
 
-def _scaled(read_also=None, depthwise=False):
-    """x scaled by the sigmoid of g, channel by channel, then a 1 x 1 convolution (or a depthwise
-    one); ``read_also``: another op that reads the product too."""
+def _scaled(read_also=None, depthwise=False, channels=32, outputs=16, side=8, scaled=True):
+    """x scaled by the sigmoid of g, channel by channel (or not ``scaled``), then a 1 x 1
+    convolution (or a depthwise one); ``read_also``: another op that reads the product too."""
     rng = np.random.default_rng(0)
     b = GraphBuilder("scaled")
-    x, g = b.input("x", (1, 32, 8, 8)), b.input("g", (1, 32, 1, 1))
-    product = b.op("mul", x, b.op("sigmoid", g, name="gate"), name="product")
-    groups, shape = (32, (32, 1, 1, 1)) if depthwise else (1, (16, 32, 1, 1))
+    x, g = b.input("x", (1, channels, side, side)), b.input("g", (1, channels, 1, 1))
+    product = b.op("mul", x, b.op("sigmoid", g, name="gate"), name="product") if scaled else x
+    groups, shape = (channels, (channels, 1, 1, 1)) if depthwise else (1, (outputs, channels, 1, 1))
     w = b.param("w", (rng.standard_normal(shape) * 0.1).astype(np.float32))
     out = b.op("conv2d", product, w, stride=1, padding=0, groups=groups, name="out")
     return b.build(out, b.op(read_also, product, name="other")) if read_also else b.build(out)
@@ -124,11 +124,6 @@ def test_the_latency_model_counts_a_scaled_projection_s_flops_as_the_product_s()
 def _projections(scaled: bool) -> list:
     """The tensor-core stages of paper EfficientNet's projection from 672 channels at 14 x 14, its
     input scaled by a gate or not."""
-    rng = np.random.default_rng(0)
-    b = GraphBuilder("scaled")
-    x, g = b.input("x", (1, 672, 14, 14)), b.input("g", (1, 672, 1, 1))
-    w = b.param("w", (rng.standard_normal((112, 672, 1, 1)) * 0.1).astype(np.float32))
-    graph = b.build(b.op("conv2d", b.op("mul", x, b.op("sigmoid", g)) if scaled else x, w, stride=1, padding=0,
-                         groups=1))
+    graph = _scaled(channels=672, outputs=112, side=14, scaled=scaled)
     staged = run_passes(graph, "cuda", stop="stage", opt_level=4, device="h100", precision="fp16").ir
     return [stage for stage in staged.stages() if stage.schedule.tensor_core_tile]
