@@ -381,8 +381,8 @@ def _fused_reductions(stage: Stage) -> list[te.Tensor]:
 
 def _row_accesses(stage: Stage, tile: int, holders: dict) -> tuple:
     """A row-resident stage's tile (``codegen.row_resident``): each warp loads its row once, every
-    tensor its blocks read ``width / WARP`` times a lane (consecutive lanes on consecutive
-    columns), reduces each of its row's statistics with a round of shuffles apiece, and stores
+    tensor its blocks read ``width / (WARP * row_vector)`` times a lane (consecutive lanes on
+    consecutive vectors of ``row_vector`` columns), reduces each of its row's statistics with a round of shuffles apiece, and stores
     its row. One trip to memory for the row, one more for what only the output reads (a
     LayerNorm's weight and bias). A warp of several rows loads them ``rows_together`` at a time,
     then reduces and stores them one after the other: one more trip a row for what only the
@@ -394,15 +394,17 @@ def _row_accesses(stage: Stage, tile: int, holders: dict) -> tuple:
     rows = max(1, schedule.outputs // width)
     tile_rows = max(1, schedule.per_tile // width)
     rows_per_warp = -(-tile_rows // warps)  # the last warps' last rows idle where the tile is fewer
-    count = tile_rows * -(-width // WARP)
+    span = WARP * schedule.row_vector  # the columns of a warp's access
+    count = tile_rows * -(-width // span)
     first = tile * schedule.per_tile
     loads: dict = {}  # placeholder op -> (a load of it, the lanes that load it)
     for load in _loads(stage.tensor):
         if load.tensor.op in holders:
-            loads.setdefault(load.tensor.op, (load, _thread_lanes(stage.tensor, first)))
+            loads.setdefault(load.tensor.op, (load, _thread_lanes(stage.tensor, first, span)))
     statistics = statistics_of(stage.tensor)
     for statistic in statistics:
-        lanes = _reduction_lanes(statistic, min(first // width * _size(statistic) // rows, _size(statistic) - 1), width)
+        lanes = _reduction_lanes(statistic, min(first // width * _size(statistic) // rows, _size(statistic) - 1), width,
+                                 span)
         for load in _loads(statistic):
             if load.tensor.op in holders:
                 loads.setdefault(load.tensor.op, (load, lanes))
@@ -411,7 +413,7 @@ def _row_accesses(stage: Stage, tile: int, holders: dict) -> tuple:
         space = "shared" if holders[op] in stage.on_chip else "global"
         accesses.append(MemoryAccess(op.name, "load", space, count, _sectors(load, lanes) if space == "global" else 1))
     accesses.append(MemoryAccess(stage.tensor.op.name, "store", "global", count,
-                                 _store_sectors(stage.tensor, _thread_lanes(stage.tensor, first))))
+                                 _store_sectors(stage.tensor, _thread_lanes(stage.tensor, first, span))))
     row_reads = {load.tensor.op for s in statistics for load in _loads(s)}
     output_only = any(op not in row_reads for op in loads)
     shuffles = sum(_size(s) for s in statistics) // rows * SHUFFLE_ROUNDS
@@ -597,27 +599,29 @@ def _loads(tensor: te.Tensor) -> list:
     return distinct
 
 
-def _thread_lanes(tensor: te.Tensor, first: int) -> list[tuple[int, dict]]:
+def _thread_lanes(tensor: te.Tensor, first: int, span: int = WARP) -> list[tuple[int, dict]]:
     """(flat output index, axis values) of the lanes of a warp whose threads take consecutive
     outputs of ``tensor`` from ``first`` (lanes past the last output are idle), each at the
-    middle of the reduction."""
+    middle of the reduction; ``span`` outputs where each lane takes a vector of them (a
+    row-resident stage's ``row_vector``)."""
     op = tensor.op
     shape = [int(d) for d in tensor.shape]
     box = _reduce_box(tensor) if getattr(op, "reduce_axis", None) else []
     middle = {ax.var: lower + extent // 2 for ax, (lower, extent) in zip(getattr(op, "reduce_axis", []), box)}
     return [(flat, {**dict(zip((ax.var for ax in op.axis), unravel(flat, shape))), **middle})
-            for flat in range(first, min(first + WARP, _size(tensor)))]
+            for flat in range(first, min(first + span, _size(tensor)))]
 
 
-def _reduction_lanes(reduction: te.Tensor, output: int, terms: int) -> list[tuple[int, dict]]:
+def _reduction_lanes(reduction: te.Tensor, output: int, terms: int, span: int = WARP) -> list[tuple[int, dict]]:
     """(flat output index, axis values) of a warp_reduce warp's lanes: output ``output``,
-    consecutive steps of the (row-major fused) reduction from its middle."""
+    consecutive steps of the (row-major fused) reduction from its middle; ``span`` steps where
+    each lane takes a vector of them."""
     op = reduction.op
     spatial = dict(zip((ax.var for ax in op.axis), unravel(output, [int(d) for d in reduction.shape])))
     box = _reduce_box(reduction)
-    start = (terms // 2) // WARP * WARP
+    start = (terms // 2) // span * span
     lanes = []
-    for step in range(start, min(start + WARP, terms)):
+    for step in range(start, min(start + span, terms)):
         index = unravel(step, [extent for _, extent in box])
         reduce = {ax.var: lower + r for ax, (lower, _), r in zip(op.reduce_axis, box, index)}
         lanes.append((output, {**spatial, **reduce}))

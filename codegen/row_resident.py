@@ -10,15 +10,18 @@ the latency model's 5.0 and 3.6). Here one warp takes a row: its lanes load the 
 registers (``WARP`` apart, so that a warp's load is coalesced; a row of 49, a Swin window's,
 two columns a lane, the second in 17 of them), reduce each statistic with
 shuffles (TVM's cross-thread all-reduce, which leaves the result in every lane), and write the
-row's outputs, with no shared memory and no block barrier.
+row's outputs, with no shared memory and no block barrier. Where the row is whole runs of a
+warp's vectors, each lane takes ``row_vector`` consecutive columns in each run (up to 16 bytes: a
+LayerNorm over 768 halves, 8), and loads and stores them with one instruction.
 
 The schedule is TVM's: ``compute_at`` of each statistic into the output's warp loop,
 ``cache_read`` of the row into ``local`` memory, and its lowering of the cross-thread
 reductions. One step is this module's own (``_thread_private``): TVM sizes a local buffer by
 the region of the row the warp's blocks touch (its lanes' reductions relax over
 ``threadIdx.x``), so each thread would hold the whole row, where it reads only its own columns;
-the cache is indexed by ``column // WARP`` alone, which is exact because every read of the cache
-is at the reading thread's own lane, ``column % WARP`` (``_reads_along_row`` checks it on the TEs).
+the cache is indexed by the thread's own columns alone, which is exact because every read of the
+cache is at the reading thread's own lane, ``column // vector % WARP`` (``_reads_along_row``
+checks it on the TEs).
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
         tile, warp = sch.split(outer_loop(sch, loops[:-1], loops, output), [None, warps])
         group = row = warp
     depth = 4 if rows_per_warp > 1 else 2  # the loops a row's blocks are computed under: tile, warp (, group, row)
-    _, lane = sch.split(sch.get_loops(output)[-1], [None, WARP])
+    vector = row_vector(width, [sch.get(block) for block in [*statistics, output]]) if gpu and not rolled else 1
+    _, lane, *lane_vector = sch.split(sch.get_loops(output)[-1], _lanes(vector))
     for block in reversed(statistics):
         sch.compute_at(block, row)
     for block in statistics:
@@ -113,7 +117,7 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
                                 f"not its row's {results // n_rows}")
         reduce_loops = own[len(spatial):]
         fused = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
-        _, block_lane = sch.split(fused, [None, WARP])
+        block_lane = sch.split(fused, _lanes(vector))[1]
         sch.set_scope(block, 0, "local")
         if gpu:
             sch.bind(block_lane, "threadIdx.x")
@@ -131,10 +135,12 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
                 width * rows:
             raise ScheduleError(f"block {sch.get(output).name_hint}: a warp's blocks read more than one row of "
                                 f"{sch.get(cache).reads[0].source.name}")
-        _, cache_lane = sch.split(sch.get_loops(cache)[-1], [None, WARP])
+        _, cache_lane, *cache_vector = sch.split(sch.get_loops(cache)[-1], _lanes(vector))
         sch.bind(cache_lane, "threadIdx.x")
+        if cache_vector:
+            sch.vectorize(cache_vector[0])
         if rows > 1:  # by nvcc, so that the rows' registers are indexed by constants (else local memory)
-            unrolled_by_nvcc(sch, sch.get_loops(cache)[depth - 1:-1])
+            unrolled_by_nvcc(sch, sch.get_loops(cache)[depth - 1:-2 if cache_vector else -1])  # up to the lanes
         caches.append((sch.get(cache).writes[0].source, rows))
     if together > 1:  # a cache of the warp's rows, indexed by the row
         unrolled_by_nvcc(sch, [row])
@@ -142,7 +148,12 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
         sch.bind(tile, "blockIdx.x")
         sch.bind(warp, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
-    scheduled = _thread_private(sch.mod["main"], caches)
+        if lane_vector:
+            # the output computed a float32 vector at a time: TVM prints a float32 vector of 8 as
+            # a ``make_ulonglong4`` of eight values, which nvcc refuses
+            sch.vectorize(sch.split(lane_vector[0], [None, COMPUTED_VECTOR])[1] if vector > COMPUTED_VECTOR
+                          else lane_vector[0])
+    scheduled = _thread_private(sch.mod["main"], caches, vector)
     n_tiles = -(-n_rows // tile_rows)
     if gpu and n_tiles == 1:
         # a single tile's statistics are indexed without the tile (like a single tile's epilogue,
@@ -150,7 +161,7 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
         # an array of the tile's rows
         scheduled = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": scheduled}))["main"]
     return scheduled, StageSchedule("warp_reduce", n_tiles, tile_rows * width, threads, n_rows * width, 0,
-                                    rows_together=together)
+                                    rows_together=together, row_vector=vector)
 
 
 # What a lane holds of the rows its warp loads together (``rows_together``): 48 registers. Paper
@@ -170,6 +181,49 @@ def rows_together(rows_per_warp: int, width: int, dtypes: list[str], tile_rows: 
         return 1
     return max(n for n in range(1, rows_per_warp + 1)
                if rows_per_warp % n == 0 and (tile_rows or n) % n == 0 and (n == 1 or n * per_row <= ROW_CACHE_BYTES))
+
+
+# The bytes a lane moves in one access of its row (``row_vector``): 16, the widest load a thread
+# issues (``ld.global.v4.u32``; CUDA C++ Programming Guide, "Size and Alignment Requirement").
+ROW_VECTOR_BYTES = 16
+COMPUTED_VECTOR = 4  # float32 elements in 16 bytes: the output's arithmetic, a vector at a time
+
+
+def row_vector(width: int, blocks: list) -> int:
+    """How many consecutive columns of a row each lane loads and stores with one instruction:
+    the most, a power of two, whose elements of the widest dtype the stage moves along its rows
+    fit in ``ROW_VECTOR_BYTES``, where the row's ``width`` is whole runs of ``WARP`` such vectors
+    and every load of ``blocks`` (the statistics, then the output) either indexes no column (a
+    row's statistic) or is at the block's own column (its last index the block's last iterator,
+    the reduction's or the output's, in a tensor whose rows are whole vectors: each vector is
+    consecutive and starts on a multiple of its width). One where none is (a row of 49, Swin's
+    window scores). Paper BERT's LayerNorms over 768 halves load and store 8 columns a lane at a
+    time, 3 instructions a row where they took 24."""
+    output = blocks[-1].writes[0].source
+    moved = [output]  # the tensors read or written along the row
+    for block in blocks:
+        column = block.iter_vars[-1].var
+        for load in (e for e in sub_expressions(block.body) if isinstance(e, ir_expr.TensorLoad)):
+            *leading, last = [_uses(index, column) for index in load.indices]
+            if not (last or any(leading)):
+                continue
+            if any(leading) or not (isinstance(load.indices[-1], tirx.Var) and load.indices[-1].same_as(column)):
+                return 1
+            moved.append(load.source)
+    vector = ROW_VECTOR_BYTES // max(tvm.DataType(str(tensor.dtype)).bits // 8 for tensor in moved)
+    while vector > 1 and (width % (WARP * vector) or any(int(t.shape[-1]) % vector for t in moved)):
+        vector //= 2
+    return vector
+
+
+def _lanes(vector: int) -> list:
+    """The split of a row's columns into a warp's lanes, each ``vector`` consecutive columns
+    (no loop of one: TVM's cross-thread reduction wants the lanes' loop innermost)."""
+    return [None, WARP, vector] if vector > 1 else [None, WARP]
+
+
+def _uses(index, var: tirx.Var) -> bool:
+    return any(isinstance(node, tirx.Var) and node.same_as(var) for node in sub_expressions(index))
 
 
 def statistics_of(tensor: te.Tensor) -> list[te.Tensor]:
@@ -265,20 +319,22 @@ def _is(index, iterator: tirx.IterVar) -> bool:
             and isinstance(dom.min, tirx.IntImm) and int(index) == int(dom.min))
 
 
-def _thread_private(func: tirx.PrimFunc, caches: list) -> tirx.PrimFunc:
+def _thread_private(func: tirx.PrimFunc, caches: list, vector: int = 1) -> tirx.PrimFunc:
     """``func`` with each row cache (``local``, laid out as the rows it caches; given with the
-    rows it holds) indexed by ``column // WARP`` only: each thread's own columns (``column %
-    WARP`` is its lane), ``width / WARP`` elements, rounded up where a warp does not divide the
-    row (its last lanes' last element unused); holding several rows, a warp's, by the row within
-    the warp's too (the last row index modulo their number: a warp's rows start at a multiple of
-    it along that axis)."""
+    rows it holds) indexed by the thread's own columns only: lane ``l`` holds the ``vector``
+    consecutive columns from ``vector * l`` in each run of ``WARP * vector``, at ``column //
+    (WARP * vector) * vector + column % vector`` (``column // WARP`` for one a lane),
+    ``width / WARP`` elements, rounded up where a warp does not divide the row (its last lanes'
+    last element unused); holding several rows, a warp's, by the row within the warp's too (the
+    last row index modulo their number: a warp's rows start at a multiple of it along that axis)."""
     for cache, rows_per_warp in caches:
-        columns = -(-int(cache.shape[-1]) // WARP)
+        columns = -(-int(cache.shape[-1]) // (WARP * vector)) * vector
         shape = (columns,) if rows_per_warp == 1 else (rows_per_warp, columns)
         private = tirx.decl_buffer(shape, cache.dtype, name=cache.name, scope="local")
 
         def own(indices, rows_per_warp=rows_per_warp):
-            column = tirx.floordiv(indices[-1], WARP)
+            column = tirx.floordiv(indices[-1], WARP * vector) * vector + tirx.floormod(indices[-1], vector) \
+                if vector > 1 else tirx.floordiv(indices[-1], WARP)
             return [column] if rows_per_warp == 1 else [tirx.floormod(indices[-2], rows_per_warp), column]
 
         def buffer(node, cache=cache, private=private):

@@ -138,6 +138,9 @@ class StageSchedule:
     # the rows a warp loads in one trip: row-resident (``codegen.row_resident``), or a warp_reduce
     # warp reducing its rows together (``_reduce_rows_together``)
     rows_together: int = 1
+    # row-resident only: the consecutive columns of a row each lane loads and stores at once
+    # (``codegen.row_resident.row_vector``)
+    row_vector: int = 1
 
     def __str__(self):
         shared = f", {self.shared_bytes} B shared" if self.shared_bytes else ""

@@ -303,8 +303,10 @@ def test_warps_to_saturate_scales_memory_throughput_by_the_warps_resident(dense_
 
 def test_a_row_resident_stage_loads_its_row_once():
     """softmax as one row-resident stage (``codegen.row_resident``): a tile of 8 warps, a row
-    each; each lane loads its 384 / 32 columns once, in one trip to memory, then reduces the max
-    and the sum of exp(x - max) with a round of shuffles each; no shared memory, no barrier."""
+    each; each lane loads its 384 / 32 columns once, 4 floats at a time (three 16-byte loads, a
+    warp's touching 16 sectors), in one trip to memory, then reduces the max and the sum of
+    exp(x - max) with a round of shuffles each, and stores its columns 4 at a time; no shared
+    memory, no barrier."""
     from codegen.latency import SHUFFLE_ROUNDS
 
     b = GraphBuilder("softmax")
@@ -315,7 +317,7 @@ def test_a_row_resident_stage_loads_its_row_once():
     assert (work.template, work.n_tiles, work.memory_steps, work.on_chip_steps, work.block_barriers) == \
         ("warp_reduce", rows // 8, 1, 2 * SHUFFLE_ROUNDS, 0)
     assert [(a.kind, a.space, a.per_tile, a.sectors) for a in work.accesses] == \
-        [("load", "global", 8 * columns // 32, 4), ("store", "global", 8 * columns // 32, 4)]
+        [("load", "global", 8 * columns // 128, 16), ("store", "global", 8 * columns // 128, 16)]
 
 
 def test_a_reduction_with_a_row_epilogue_counts_one_row_per_warp(pair_epilogues):

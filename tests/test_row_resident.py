@@ -76,11 +76,13 @@ def test_without_the_variant_the_statistics_are_stages_of_their_own(pair_epilogu
 def test_each_thread_loads_its_columns_of_the_row_once(kind, width):
     """The row cache is the thread's own width / 32 columns, rounded up (TVM alone would size it
     by the warp's whole row: 128 floats a thread for 4 used; a Swin window's 49 take two, the
-    second in 17 lanes); x is read by the cache's load alone; the stage has no __syncthreads."""
+    second in 17 lanes); x is read by the cache's load alone, 4 floats at a time where the row
+    is whole vectors of 4 for every lane (128); the stage has no __syncthreads."""
     model = souffle.compile(_graph(kind, (64, width))[0], target="cuda", opt_level=4)
     kernel = model.source[model.source.rindex("main_kernel("):]  # the definition, after its declaration
     assert re.findall(r"float (x_in_local_ptr)\[(\d+)\];", kernel) == [("x_in_local_ptr", str(-(-width // WARP)))]
-    assert len(re.findall(r"\bx_in\[", kernel)) == 1
+    loads = re.findall(r"\bx_in\[|\*\(float4\*\)\(x_in \+", kernel)
+    assert loads == (["*(float4*)(x_in +"] if width == 128 else ["x_in["])
     assert "__syncthreads" not in kernel
 
 
@@ -92,13 +94,112 @@ def test_the_emulated_kernel_matches_torch(kind, shape, order):
     """Rows straddling a tile and a leading dimension, a partial last tile, a width of 33 (two
     columns a lane, the second in lane 0 alone) and one of 96 (three columns a lane), single tiles,
     whose stage is simplified once its lanes' reductions are lowered, and rows of several axes
-    whose last is no multiple of the warps (Swin's windows x heads x 49 rows), flattened first."""
+    whose last is no multiple of the warps (Swin's windows x heads x 49 rows), flattened first;
+    rows of 64, two consecutive columns a lane (``row_vector``)."""
     graph, reference = _graph(kind, shape)
     x = np.random.default_rng(1).standard_normal(shape).astype("float32") * 3
     model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
-    assert [s.epilogue for s in model.plan.stages()] == ["row"]
+    assert [(s.epilogue, s.schedule.row_vector) for s in model.plan.stages()] == \
+        [("row", 2 if shape[-1] == 64 else 1)]
     (got,) = model.schedule(order).run({"x": x})
     np.testing.assert_allclose(got, reference(torch.from_numpy(x)).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _between_gemms(kind: str, rows: int, width: int):
+    """``kind`` over the ``width`` columns of a dense layer's output, read by another dense layer:
+    at fp16 and bf16 its rows are read and written narrow. The graph and PyTorch's answer at a
+    precision (each stored result rounded to it, the products accumulated in float32)."""
+    rng = np.random.default_rng(4)
+    graph, reference = _graph(kind, (rows, width))
+    b = GraphBuilder(kind)
+    before = b.param("before", rng.standard_normal((width, 64)).astype("float32") / 8)
+    after = b.param("after", rng.standard_normal((32, width)).astype("float32") / 8)
+    weights = [b.param(name, value) for name, value in graph.weights.items()]
+    x = b.input("x", (rows, 64))
+    y = b.op(kind, b.op("dense", x, before), *weights)
+    built = b.build(b.op("dense", y, after))
+
+    def answer(x: np.ndarray, narrow) -> np.ndarray:
+        def rounded(t):
+            return t.to(narrow).float()
+        w = {k: rounded(torch.from_numpy(v.copy())) for k, v in built.weights.items()}
+        rows_in = rounded(rounded(torch.from_numpy(x)) @ w["before"].T)
+        return rounded(rounded(reference(rows_in)) @ w["after"].T).numpy()
+
+    return built, answer
+
+
+@pytest.mark.parametrize("width,precision,vector", [
+    (768, "fp16", 8), (384, "fp16", 4), (256, "bf16", 8), (64, "fp16", 2), (768, "fp32", 4), (64, "fp32", 2),
+    (96, "fp32", 1), (49, "fp16", 1), (33, "fp32", 1)])
+def test_each_lane_moves_its_row_in_vectors_of_16_bytes_at_most(width, precision, vector):
+    """A lane takes ``vector`` consecutive columns in each run of 32 x ``vector`` (``row_vector``),
+    the most whose elements of the widest tensor moved along the row fit in 16 bytes, where the
+    row is whole such runs: a LayerNorm over 768 halves loads 8 at a time (3 loads a row where it
+    took 24); over 96 floats, 3 a lane, one at a time. The latency model counts a warp's loads of
+    the row as vectors."""
+    from analysis.device import get_device
+    from codegen.latency import stage_works
+
+    staged = run_passes(_between_gemms("layer_norm", 64, width)[0], "cuda", stop="plan_arena", opt_level=4,
+                        precision=precision).ir
+    (row,) = [k for k, s in enumerate(staged.stages()) if s.epilogue == "row"]
+    stage = staged.stages()[row]
+    assert stage.schedule.row_vector == vector
+    itemsize = 4 if precision == "fp32" else 2
+    work = stage_works(staged, get_device("h100"))[row]
+    rows = stage.schedule.per_tile // width
+    assert [(a.per_tile, a.sectors) for a in work.accesses if a.kind == "load" and a.space == "global"][0] == \
+        (rows * -(-width // (WARP * vector)), max(1, min(width, WARP * vector) * itemsize // 32))
+
+
+def test_a_half_row_is_loaded_16_bytes_a_lane_and_computed_a_float4_at_a_time():
+    """At fp16 a LayerNorm over 768 halves loads its row as ``uint4`` (8 halves a lane) into the
+    cache and computes and stores its output 4 at a time: a float32 vector of 8 is printed as a
+    ``make_ulonglong4`` of eight values, which nvcc refuses."""
+    model = souffle.compile(_between_gemms("layer_norm", 64, 768)[0], target="cuda", opt_level=4, precision="fp16")
+    kernel = model.source[model.source.rindex("main_kernel("):]
+    assert re.search(r"\*\(uint4\*\)\(\w+_local_ptr \+ \(\w+ \* 8\)\) = \*\(uint4\*\)", kernel), kernel
+    assert "float4" in kernel and "ulonglong4" not in kernel
+    assert model.resources.spill_bytes == 0 and model.resources.stack_bytes == 0
+
+
+@pytest.mark.parametrize("kind,precision,rows,width", [
+    (kind, *case) for kind in ("softmax", "layer_norm") for case in (("fp16", 9, 256), ("fp16", 10, 128),
+                                                                     ("bf16", 12, 256))] + [("layer_norm", "fp32", 9, 128)],
+    ids=str)
+def test_rows_moved_in_vectors_match_torch_on_emulated_threads(kind, precision, rows, width):
+    """Rows between two GEMMs loaded and stored in vectors of 8 (fp16 and bf16 over 256) and 4
+    (fp16 over 128, fp32), a partial last tile, in both thread orders, against PyTorch at the same
+    precision. (This softmax at fp32 is two reductions with shared-memory epilogues, no row-resident
+    stage.)"""
+    graph, answer = _between_gemms(kind, rows, width)
+    x = np.random.default_rng(5).standard_normal((rows, 64)).astype("float32")
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
+    assert [s.schedule.row_vector for s in model.plan.stages() if s.epilogue == "row"] == \
+        [8 if width == 256 and precision != "fp32" else 4]
+    narrow = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    expected = answer(x, narrow)
+    tolerance = {"fp16": 1e-2, "bf16": 6e-2, "fp32": 1e-5}[precision]
+    for order in ("ascending", "descending"):
+        (got,) = model.schedule(order).run({"x": x})
+        np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance, err_msg=order)
+
+
+@pytest.mark.parametrize("read,vector", [
+    (lambda r, c: (r, c), 2),
+    (lambda r, c: (r, 63 - c), 1),  # a vector reversed
+    (lambda r, c: (r, (c + 1) % 64), 1),  # a vector off its alignment
+    (lambda r, c: (c % 4, r), 1),  # along the column of another axis
+    (lambda r, c: (0, c), 2),  # one row for every row: whole vectors still
+])
+def test_only_loads_of_whole_vectors_at_the_column_are_vectorized(read, vector):
+    """``row_vector`` vectorizes a row of 64 floats 2 a lane only where every load along the row
+    reads each vector consecutively from a multiple of its width."""
+    from codegen.row_resident import row_vector
+
+    block, _ = _block(read)
+    assert row_vector(64, [block]) == vector
 
 
 @pytest.mark.parametrize("kind", ["softmax", "layer_norm"])
