@@ -197,8 +197,8 @@ def row_vector(width: int, blocks: list) -> int:
     row's statistic) or is at the block's own column (its last index the block's last iterator,
     the reduction's or the output's, in a tensor whose rows are whole vectors: each vector is
     consecutive and starts on a multiple of its width). One where none is (a row of 49, Swin's
-    window scores). Paper BERT's LayerNorms over 768 halves load and store 8 columns a lane at a
-    time, 3 instructions a row where they took 24."""
+    window scores). Paper BERT's LayerNorms over 768 halves load 8 columns a lane at a time, 3
+    loads a row where they took 24, and compute and store them 4 at a time (``COMPUTED_VECTOR``)."""
     output = blocks[-1].writes[0].source
     moved = [output]  # the tensors read or written along the row
     for block in blocks:
