@@ -186,6 +186,23 @@ def test_rows_moved_in_vectors_match_torch_on_emulated_threads(kind, precision, 
         np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance, err_msg=order)
 
 
+def test_a_cache_indexed_one_column_a_lane_under_vectors_is_caught(monkeypatch):
+    """A mutant: the row cache indexed as when each lane took one column in each run of 32
+    (``_thread_private`` without the vector) while the lanes load vectors of 4. Every access
+    stays in bounds and race-free, so the validator has nothing to refuse; the emulated run
+    reads other lanes' columns and is far off PyTorch, as the emulated tests above would find."""
+    import codegen.row_resident as row_resident
+
+    thread_private = row_resident._thread_private
+    monkeypatch.setattr(row_resident, "_thread_private", lambda func, caches, vector=1: thread_private(func, caches))
+    graph, reference = _graph("layer_norm", (9, 128))
+    x = np.random.default_rng(1).standard_normal((9, 128)).astype("float32")
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4)
+    assert [s.schedule.row_vector for s in model.plan.stages()] == [4]
+    (got,) = model.schedule("ascending").run({"x": x})
+    assert np.abs(got - reference(torch.from_numpy(x)).numpy()).max() > 1
+
+
 @pytest.mark.parametrize("read,vector", [
     (lambda r, c: (r, c), 2),
     (lambda r, c: (r, 63 - c), 1),  # a vector reversed
