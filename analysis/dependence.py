@@ -152,6 +152,11 @@ def sub_expressions(expr):
                 stack.extend(c for c in children if isinstance(c, tvm.ir.Expr))
 
 
+def mentions(expr, var) -> bool:
+    """Whether the TIR expression ``expr`` reads the variable ``var``."""
+    return any(node.same_as(var) for node in sub_expressions(expr))
+
+
 # -- the loads of a TE body -------------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorLoad:

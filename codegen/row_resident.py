@@ -33,7 +33,7 @@ from tvm import s_tir, te, tirx
 from tvm.ir import expr as ir_expr
 
 from analysis.affine import row_major
-from analysis.dependence import IF_THEN_ELSE, is_call_to, sub_expressions
+from analysis.dependence import IF_THEN_ELSE, is_call_to, mentions, sub_expressions
 from codegen.schedule import (SAME_ELEMENTS_AXIS_MAX, WARP, ScheduleError, StageSchedule, lanes_can_reduce, loop_extent,
                               outer_loop, product_of, unrolled_by_nvcc)
 
@@ -204,10 +204,10 @@ def row_vector(width: int, blocks: list) -> int:
     for block in blocks:
         column = block.iter_vars[-1].var
         for load in (e for e in sub_expressions(block.body) if isinstance(e, ir_expr.TensorLoad)):
-            *leading, last = [_uses(index, column) for index in load.indices]
+            *leading, last = [mentions(index, column) for index in load.indices]
             if not (last or any(leading)):
                 continue
-            if any(leading) or not (isinstance(load.indices[-1], tirx.Var) and load.indices[-1].same_as(column)):
+            if any(leading) or not _is(load.indices[-1], block.iter_vars[-1]):
                 return 1
             moved.append(load.source)
     vector = ROW_VECTOR_BYTES // max(tvm.DataType(str(tensor.dtype)).bits // 8 for tensor in moved)
@@ -220,10 +220,6 @@ def _lanes(vector: int) -> list:
     """The split of a row's columns into a warp's lanes, each ``vector`` consecutive columns
     (no loop of one: TVM's cross-thread reduction wants the lanes' loop innermost)."""
     return [None, WARP, vector] if vector > 1 else [None, WARP]
-
-
-def _uses(index, var: tirx.Var) -> bool:
-    return any(isinstance(node, tirx.Var) and node.same_as(var) for node in sub_expressions(index))
 
 
 def statistics_of(tensor: te.Tensor) -> list[te.Tensor]:

@@ -38,7 +38,7 @@ from tvm.ir import Range
 from tvm.ir.expr import TensorLoad  # what a BufferLoad is in TVM 0.27
 from tvm_ffi import structural_equal
 
-from analysis.dependence import sub_expressions
+from analysis.dependence import mentions, sub_expressions
 from analysis.device import DeviceModel
 from codegen.cpu_math import MAX_NESTED_EXPANDED_CALLS, MAX_NESTED_SELECTS, nested_expanded_calls, nested_selects
 
@@ -153,10 +153,6 @@ def _stride(info: _BlockInfo, access: _Access, axis: int, width: int) -> int | N
     return int(coefficients[0])
 
 
-def _mentions(expr, var: tirx.Var) -> bool:
-    return any(node.same_as(var) for node in sub_expressions(expr))
-
-
 # -- rule 1: inlining --------------------------------------------------------------------------
 def _stored_value(sch: s_tir.Schedule, block):
     body = sch.get(block).body
@@ -178,7 +174,7 @@ def _reuse(info: _BlockInfo, buffer: tirx.Buffer) -> int:
         if access.indices is None:
             return 1 << 30
         for index in access.indices:
-            used.update(k for k, it in enumerate(info.iters) if _mentions(index, it.var))
+            used.update(k for k, it in enumerate(info.iters) if mentions(index, it.var))
     return _product(it.extent for k, it in enumerate(info.iters) if k not in used)
 
 
@@ -254,7 +250,7 @@ def _layout_fix(info: _BlockInfo, access: _Access, axis: int, intermediates) -> 
     if access.indices is None:
         return None
     var = info.iters[axis].var
-    dims = [d for d, index in enumerate(access.indices) if _mentions(index, var)]
+    dims = [d for d, index in enumerate(access.indices) if mentions(index, var)]
     if len(dims) != 1 or dims[0] == len(access.indices) - 1:
         return None
     coefficients = sym.detect_linear_equation(access.indices[dims[0]], [var])
@@ -412,7 +408,7 @@ def _vector_dim_last(sch: s_tir.Schedule, block, info: _BlockInfo, axis: int):
     is one vector register (a strided accumulator would be gathered and scattered)."""
     indices = sch.get(block).writes[0].region
     var = info.iters[axis].var
-    dims = [d for d, r in enumerate(indices) if _mentions(r.min, var)]
+    dims = [d for d, r in enumerate(indices) if mentions(r.min, var)]
     if len(dims) != 1 or dims[0] == len(indices) - 1:
         return
     dim = dims[0]
@@ -540,7 +536,7 @@ def _stores_contiguously(stmt) -> bool:
         return False
     var = stmt.iter_vars[-1].var
     *lead, last = store.indices
-    if any(_mentions(index, var) for index in lead):
+    if any(mentions(index, var) for index in lead):
         return False
     coefficients = sym.detect_linear_equation(last, [var])
     return bool(coefficients) and isinstance(coefficients[0], tirx.IntImm) and int(coefficients[0]) == 1

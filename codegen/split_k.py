@@ -37,8 +37,7 @@ import math
 
 from codegen.schedule import WARP_REDUCE_MIN_EXTENT
 from souffle.graph import Graph, Op
-from souffle.ops.common import normalize_axes
-from souffle.ops.nn import is_pointwise_gemm
+from souffle.ops.nn import is_pointwise_gemm, trailing_mean_axes
 from souffle.ops.registry import full_attrs, get_rule
 
 TILE = 64  # the output tile side of the matmul and smallest tensor-core schedules
@@ -108,11 +107,10 @@ def mean_of(graph: Graph, op: Op) -> tuple[int, int] | None:
     if op.kind != "mean":
         return None
     shape = graph.tensors[op.inputs[0]].shape
-    axes = full_attrs(get_rule("mean"), op.attrs, "op mean")["axes"]
-    reduced = sorted(range(len(shape)) if axes is None else normalize_axes(axes, len(shape)))
-    if reduced != list(range(len(shape) - len(reduced), len(shape))):
+    reduced = trailing_mean_axes(len(shape), full_attrs(get_rule("mean"), op.attrs, "op mean")["axes"])
+    if reduced is None:
         return None
-    return math.prod(shape[:len(shape) - len(reduced)]), math.prod(shape[len(shape) - len(reduced):])
+    return math.prod(shape[:len(shape) - reduced]), math.prod(shape[len(shape) - reduced:])
 
 
 def gemm_of(graph: Graph, op: Op) -> tuple[int, int, int] | None:

@@ -621,6 +621,13 @@ def _mean_axes(rank: int, axes) -> tuple[int, ...]:
     return tuple(range(rank)) if axes is None else normalize_axes(axes, rank)
 
 
+def trailing_mean_axes(rank: int, axes) -> int | None:
+    """How many axes a ``mean`` over ``axes`` of a rank-``rank`` input reduces, where they are its
+    last ones (what ``split`` applies to); None where they are not."""
+    reduced = sorted(_mean_axes(rank, axes))
+    return len(reduced) if reduced == list(range(rank - len(reduced), rank)) else None
+
+
 def _mean(specs, attrs):
     x = specs[0]
     if not x.shape:
@@ -630,7 +637,7 @@ def _mean(specs, attrs):
     axes = _mean_axes(len(x.shape), attrs["axes"])
     parts = attrs.get("split", 1)
     if parts != 1:
-        if sorted(axes) != list(range(len(x.shape) - len(axes), len(x.shape))):
+        if trailing_mean_axes(len(x.shape), attrs["axes"]) is None:
             fail(f"split applies to a reduction over the last axes, got axes {list(axes)} of a rank-{len(x.shape)} input")
         _require_split(parts, prod(x.shape[a] for a in axes), "the reduced elements", "split")
     if attrs["keepdims"]:
