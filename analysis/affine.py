@@ -372,8 +372,9 @@ def _division_views(floor: sympy.floor, expr: sympy.Expr):
 
 
 # -- rewriting TE bodies ----------------------------------------------------------------------
-_BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max,
-           tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
+# the binary nodes of TE bodies (``Rewriter`` rebuilds them from their two operands)
+BINARY_NODES = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max,
+                tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
 
 
 def _same_index_dtype(a, b):
@@ -408,7 +409,7 @@ class Rewriter:
             return self.variables.get(e, e)
         if isinstance(e, (tirx.IntImm, tirx.FloatImm, tvm.ir.expr.StringImm)):
             return e
-        if isinstance(e, _BINARY):
+        if isinstance(e, BINARY_NODES):
             return type(e)(*_same_index_dtype(self(e.a), self(e.b)))
         if isinstance(e, tirx.Not):
             return tirx.Not(self(e.a))

@@ -397,28 +397,35 @@ def _row_accesses(stage: Stage, tile: int, holders: dict) -> tuple:
     span = WARP * schedule.row_vector  # the columns of a warp's access
     count = tile_rows * -(-width // span)
     first = tile * schedule.per_tile
-    loads: dict = {}  # placeholder op -> (a load of it, the lanes that load it)
+    loads: dict = {}  # (placeholder op, place) -> (a load of it, the lanes that load it)
     for load in _loads(stage.tensor):
         if load.tensor.op in holders:
-            loads.setdefault(load.tensor.op, (load, _thread_lanes(stage.tensor, first, span)))
+            loads.setdefault(_row_place(load), (load, _thread_lanes(stage.tensor, first, span)))
     statistics = statistics_of(stage.tensor)
     for statistic in statistics:
         lanes = _reduction_lanes(statistic, min(first // width * _size(statistic) // rows, _size(statistic) - 1), width,
                                  span)
         for load in _loads(statistic):
             if load.tensor.op in holders:
-                loads.setdefault(load.tensor.op, (load, lanes))
+                loads.setdefault(_row_place(load), (load, lanes))
     accesses = []
-    for op, (load, lanes) in loads.items():
+    for (op, _), (load, lanes) in loads.items():
         space = "shared" if holders[op] in stage.on_chip else "global"
         accesses.append(MemoryAccess(op.name, "load", space, count, _sectors(load, lanes) if space == "global" else 1))
     accesses.append(MemoryAccess(stage.tensor.op.name, "store", "global", count,
                                  _store_sectors(stage.tensor, _thread_lanes(stage.tensor, first, span))))
     row_reads = {load.tensor.op for s in statistics for load in _loads(s)}
-    output_only = any(op not in row_reads for op in loads)
+    output_only = any(op not in row_reads for op, _ in loads)
     shuffles = sum(_size(s) for s in statistics) // rows * SHUFFLE_ROUNDS
     trips = -(-rows_per_warp // schedule.rows_together) + rows_per_warp * int(output_only)
     return accesses, schedule.threads, trips, rows_per_warp * shuffles, 0
+
+
+def _row_place(load) -> tuple:
+    """Which row of its tensor a row-resident stage's ``load`` reads, as a key: the tensor, and
+    the constants among its leading indices (each split-K partial a row of its own, loaded once
+    by ``codegen.row_resident.with_row_value``), whatever the body's iterators are called."""
+    return load.tensor.op, tuple(int(i) if isinstance(i, tirx.IntImm) else None for i in load.indices[:-1])
 
 
 def _matmul_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dram: Dram) -> StageWork:

@@ -32,16 +32,135 @@ import tvm_ffi
 from tvm import s_tir, te, tirx
 from tvm.ir import expr as ir_expr
 
-from analysis.affine import row_major
-from analysis.dependence import IF_THEN_ELSE, is_call_to, mentions, sub_expressions
+from analysis.affine import BINARY_NODES, Rewriter, row_major
+from analysis.dependence import IF_THEN_ELSE, TENSOR_LOAD, is_call_to, mentions, sub_expressions
 from codegen.schedule import (SAME_ELEMENTS_AXIS_MAX, WARP, ScheduleError, StageSchedule, lanes_can_reduce, loop_extent,
                               outer_loop, product_of, unrolled_by_nvcc)
 
 
 def schedule_row_resident(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: bool, threads: int,
                           rows_per_warp: int = 1, tile_rows: int | None = None) -> tuple[tirx.PrimFunc, StageSchedule]:
-    """``row_resident_stage`` for a staged output TE over ``placeholders`` (``codegen.stage.isolate_fused``)."""
+    """``row_resident_stage`` for a staged output TE over ``placeholders`` (``codegen.stage.isolate_fused``),
+    on a GPU with its row's value computed once (``with_row_value``) where its loads cannot be cached."""
+    if gpu and rows_per_warp == 1:
+        tensor = with_row_value(tensor)
     return row_resident_stage(te.create_prim_func(placeholders + [tensor]), gpu, threads, rows_per_warp, tile_rows)
+
+
+ROW_VALUE = "row_value"  # the name of the TE ``with_row_value`` adds
+
+
+def with_row_value(tensor: te.Tensor) -> te.Tensor:
+    """``tensor``, a row-resident stage's output, recomputed so that the value its first statistic
+    reduces (the row: a LayerNorm's input, a softmax's scores) is a TE of its own, ``ROW_VALUE``,
+    that the statistics and the output read wherever their bodies compute the same value, where
+    that value loads a tensor other than at the row's own place (split-K partials: FFN2's
+    ``p0 + p1 + p2 + p3 + bias + residual``), which the stage cannot cache as it caches a row of
+    one tensor (``_cached_reads``). The stage then computes the row once into registers (one
+    lane's columns of it, as a cache) where each statistic and the output loaded every partial
+    again (paper BERT fp16's FFN2 LayerNorm: 16 loads of 4 bytes an element, now 4). Unchanged
+    where there is no such load, where the value reads through a roll (``_flatten_rows``), or
+    where a statistic is not one reduction of one value."""
+    statistics = statistics_of(tensor)
+    reads_statistic = {s.op: any(t.op in {o.op for o in statistics} for t in s.op.input_tensors) for s in statistics}
+    first = [s for s in statistics if not reads_statistic[s.op]]
+    if len(first) != 1 or any(len(t.op.body) != 1 for t in [*statistics, tensor]):
+        return tensor
+    first = first[0]
+    reduce = first.op.body[0]
+    rows = len(tensor.op.axis) - 1
+    if not isinstance(reduce, tirx.Reduce) or len(reduce.source) != 1 or len(reduce.axis) != 1 or \
+            len(first.op.axis) < rows or [int(d) for d in first.shape[:rows]] != [int(d) for d in tensor.shape[:-1]]:
+        return tensor
+    value, column = reduce.source[0], reduce.axis[0]
+    row_axes = first.op.axis[:rows]
+    own = [column.var, *(ax.var for ax in row_axes)]
+    if any(not any(v.same_as(o) for o in own) for v in tirx.analysis.undefined_vars(value)) or \
+            any(is_call_to(e, IF_THEN_ELSE) for e in sub_expressions(value)) or \
+            all(_at_row(e, row_axes, column) for e in sub_expressions(value) if is_call_to(e, TENSOR_LOAD)):
+        return tensor
+
+    def row_value(*axes):
+        variables = dict(zip([ax.var for ax in row_axes] + [column.var], axes))
+        return Rewriter(variables, f"the rows of {tensor.op.name}")(value)
+
+    values = te.compute(tensor.shape, row_value, name=ROW_VALUE)
+    rebuilt: dict = {}
+
+    def rebuild(t: te.Tensor) -> te.Tensor:
+        if t.op in rebuilt:
+            return rebuilt[t.op]
+        op = t.op
+        own_column = op.reduce_axis[0] if op.reduce_axis else op.axis[-1]
+        instance = Rewriter({ax.var: own.var for ax, own in zip(row_axes, op.axis)} | {column.var: own_column.var},
+                            f"the rows of {tensor.op.name}")(value)
+        reduce_axes = {ax.var: te.reduce_axis(ax.dom, ax.var.name) for ax in op.reduce_axis}
+
+        def body(*axes):
+            variables = dict(zip([ax.var for ax in op.axis], axes)) | {v: ax.var for v, ax in reduce_axes.items()}
+            def load(read, indices):
+                return (rebuild(read) if read.op in reads_statistic else read)(*indices)
+
+            rewriter = _ValueReader(variables, f"reading the rows of {tensor.op.name}", load, reduce_axes, instance,
+                                    values, [ax.var for ax in op.axis[:rows]] + [own_column.var])
+            return rewriter(op.body[0])
+
+        rebuilt[op] = te.compute(t.shape, body, name=op.name, tag=op.tag, varargs_names=[ax.var.name for ax in op.axis])
+        return rebuilt[op]
+
+    return rebuild(tensor)
+
+
+def _at_row(load, row_axes: list, column: tirx.IterVar) -> bool:
+    """Whether the TE load ``load`` (``te.tensor_load``) reads its tensor at the row and column
+    of a statistic's ``row_axes`` and reduction ``column`` only, or reads no column (as
+    ``_reads_along_row`` asks of a block's loads): what a row cache holds."""
+    *leading, last = load.args[1:]
+    if not mentions(last, column.var) and not any(mentions(i, column.var) for i in leading):
+        return True
+    return _is(last, column) and len(leading) <= len(row_axes) and all(_is(i, ax) for i, ax in zip(leading, row_axes))
+
+
+def _same_value(a, b) -> bool:
+    """Whether the TE expressions ``a`` and ``b`` are the same computation: node for node, loads of
+    the same tensor at the same indices (TVM's ``structural_equal`` refuses TE's tensors)."""
+    if a.same_as(b):
+        return True
+    if type(a) is not type(b) or isinstance(a, tirx.Var):
+        return False
+    if isinstance(a, (tirx.IntImm, tirx.FloatImm)):
+        return a.ty == b.ty and a.value == b.value
+    if isinstance(a, BINARY_NODES):
+        return _same_value(a.a, b.a) and _same_value(a.b, b.b)
+    if isinstance(a, tirx.Not):
+        return _same_value(a.a, b.a)
+    if isinstance(a, tirx.Select):
+        return all(_same_value(x, y) for x, y in ((a.condition, b.condition), (a.true_value, b.true_value),
+                                                   (a.false_value, b.false_value)))
+    if isinstance(a, tirx.Cast):
+        return a.ty == b.ty and _same_value(a.value, b.value)
+    if is_call_to(a, TENSOR_LOAD):
+        return is_call_to(b, TENSOR_LOAD) and a.args[0].op.same_as(b.args[0].op) and \
+            a.args[0].value_index == b.args[0].value_index and len(a.args) == len(b.args) and \
+            all(_same_value(x, y) for x, y in zip(a.args[1:], b.args[1:]))
+    if isinstance(a, tvm.ir.expr.Call):
+        return a.op.same_as(b.op) and a.ty == b.ty and len(a.args) == len(b.args) and \
+            all(_same_value(x, y) for x, y in zip(a.args, b.args))
+    return False
+
+
+class _ValueReader(Rewriter):
+    """A ``Rewriter`` that reads ``values`` (``with_row_value``'s TE) wherever the body computes
+    ``instance`` (the row's value at the block's own row and column, ``at``)."""
+
+    def __init__(self, variables, where, on_load, reduce_axes, instance, values: te.Tensor, at: list):
+        super().__init__(variables, where, on_load, reduce_axes)
+        self.instance, self.values, self.at = instance, values, at
+
+    def __call__(self, e):
+        if _same_value(e, self.instance):
+            return self.values(*[self.variables.get(v, v) for v in self.at])
+        return super().__call__(e)
 
 
 def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_warp: int = 1,
@@ -56,6 +175,11 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
     warp's lanes, or several rows a warp whose tile does not divide the last row axis."""
     sch = s_tir.Schedule(func)
     *statistics, output = sch.get_child_blocks(sch.get_sblock("root"))
+    # the row's value, where ``with_row_value`` made it a block of its own: computed into registers
+    values = [block for block in statistics if sch.get(block).name_hint == ROW_VALUE]
+    statistics = [block for block in statistics if block not in values]
+    if values and (rows_per_warp > 1 or not gpu):
+        raise ScheduleError(f"block {ROW_VALUE}: a row's value is computed once a row on a GPU, one row a warp")
     if not statistics:
         raise ScheduleError("a row-resident stage needs at least one reduction before its output")
     if any(iv.iter_type != tirx.IterVar.DataPar for iv in sch.get(output).iter_vars) or len(sch.get_loops(output)) < 2:
@@ -73,9 +197,11 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
     if not warps * (rows_per_warp - 1) < tile_rows <= warps * rows_per_warp:
         raise ScheduleError(f"tiles of {tile_rows} rows are not {rows_per_warp} rows for each of {warps} warps")
     # a row read through a roll (``codegen.commute_rolls``): its rows as they are, nothing cached
-    rolled = any(_loads_by_index(sch.get(block)) for block in [*statistics, output])
+    rolled = any(_loads_by_index(sch.get(block)) for block in [*values, *statistics, output])
     if rows_per_warp == 1 and not rolled:
-        _flatten_rows(sch, statistics, output, warps)
+        _flatten_rows(sch, [*values, *statistics], output, warps)
+    for value in values:
+        sch.set_scope(value, 0, "local")
     cached = _cached_reads(sch, statistics, output) if gpu and not rolled else []
     loops = sch.get_loops(output)
     n_rows = product_of(loop_extent(sch, loop) for loop in loops[:-1])
@@ -102,10 +228,22 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
         tile, warp = sch.split(outer_loop(sch, loops[:-1], loops, output), [None, warps])
         group = row = warp
     depth = 4 if rows_per_warp > 1 else 2  # the loops a row's blocks are computed under: tile, warp (, group, row)
-    vector = row_vector(width, [sch.get(block) for block in [*statistics, output]]) if gpu and not rolled else 1
+    vector = row_vector(width, [sch.get(block) for block in [*values, *statistics, output]]) \
+        if gpu and not rolled else 1
     _, lane, *lane_vector = sch.split(sch.get_loops(output)[-1], _lanes(vector))
     for block in reversed(statistics):
         sch.compute_at(block, row)
+    caches = []
+    for value in values:  # as a row cache is, each lane its own columns
+        sch.compute_at(value, row)
+        if product_of(loop_extent(sch, loop) for loop in sch.get_loops(value)[depth:]) != width:
+            raise ScheduleError(f"block {ROW_VALUE}: a warp computes more than its row of it")
+        _, value_lane, *value_vector = sch.split(sch.get_loops(value)[-1], _lanes(vector))
+        sch.bind(value_lane, "threadIdx.x")
+        if value_vector:
+            sch.vectorize(sch.split(value_vector[0], [None, COMPUTED_VECTOR])[1] if vector > COMPUTED_VECTOR
+                          else value_vector[0])
+        caches.append((sch.get(value).writes[0].source, 1))
     for block in statistics:
         own = sch.get_loops(block)[depth:]
         kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
@@ -126,7 +264,6 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
             # indexed by a loop, nvcc put the array in local memory (paper BERT fp16's FFN2
             # LayerNorm, from its PTX)
             unrolled_by_nvcc(sch, spatial)
-    caches = []
     for index, of_row in zip(cached, of_rows):
         rows = together if of_row else 1
         cache = sch.cache_read(statistics[0], index, "local", consumer_blocks=[*statistics, output])
@@ -276,12 +413,13 @@ def _loads_by_index(block: s_tir.SBlock) -> bool:
 
 def _cached_reads(sch: s_tir.Schedule, statistics: list, output) -> list[int]:
     """The reads of the first statistic (indices into its reads) that every block of the stage
-    reads along the row only (``_reads_along_row``): those a warp loads into registers once."""
+    reads along the row only (``_reads_along_row``): those a warp loads into registers once (not
+    the row's value, ``ROW_VALUE``, in registers already)."""
     blocks = [*statistics, output]
     cached = []
     for index, region in enumerate(sch.get(statistics[0]).reads):
         source = region.source
-        if all(_reads_along_row(sch.get(block), source) for block in blocks):
+        if source.scope() != "local" and all(_reads_along_row(sch.get(block), source) for block in blocks):
             cached.append(index)
     return cached
 

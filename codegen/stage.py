@@ -20,7 +20,7 @@ from analysis.device import DeviceModel, co_resident_grid
 from codegen.latency import kernel_runs, stage_estimate, stage_seconds
 from codegen.partition import stage_registers
 from codegen.row_resident import schedule_row_resident
-from codegen.schedule import THREADS, WARP, schedule_candidates
+from codegen.schedule import THREADS, WARP, scaled_factors, schedule_candidates
 from codegen.staged import Loop, Stage, StagedProgram, replaced_stages
 from codegen.stitch import BufferRef, Stitcher
 from codegen.traffic import stage_traffic
@@ -68,8 +68,9 @@ class _Placeholders:
 
 def _read_at_two_places(reduction: te.Tensor) -> set:
     """The tensors ``reduction`` (if it is one) reads at exactly two different indices, each
-    unconditionally (two operands; not the two halves of a concatenation)."""
-    if not reduction.op.reduce_axis:
+    unconditionally, as the two factors of its product (two operands; not the two halves of a
+    concatenation, nor two split-K partials a LayerNorm sums, ``codegen.row_resident.with_row_value``)."""
+    if not reduction.op.reduce_axis or scaled_factors(reduction.op.body[0].source[0]) is None:
         return set()
     sites: dict = {}
     for load in tensor_loads(reduction.op.body[0]):

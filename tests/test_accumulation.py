@@ -15,7 +15,7 @@ from analysis.accumulation import global_accumulations
 from analysis.threads import device_functions
 from codegen.cuda import device_module
 import codegen.schedule
-from codegen.row_resident import statistics_of
+from codegen.row_resident import ROW_VALUE, statistics_of, with_row_value
 from codegen.schedule import MATMUL_MICRO, MATMUL_VTHREADS, WARP, schedule_te, stage_reduction
 from souffle import models
 from souffle.compiler import run_passes
@@ -109,7 +109,8 @@ def _row_arrays(staged) -> set[tuple[str, int]]:
     results for its row (a LayerNorm's two moments) and its row cache (the thread's width / 32
     columns of each tensor it reads along the row, rounded up, ``codegen.row_resident``; of each
     of the rows its warp loads together, for a tensor of rows: paper Swin's aligned window
-    softmax, 7 rows of 49 scores, 2 columns a lane each)."""
+    softmax, 7 rows of 49 scores, 2 columns a lane each), and the row's value where it is
+    computed once (``with_row_value``: the same columns of a row of split-K partials' sum)."""
     arrays = set()
     for stage in staged.stages():
         if stage.epilogue != "row":
@@ -120,6 +121,8 @@ def _row_arrays(staged) -> set[tuple[str, int]]:
             arrays.add((f"{op.name}_local_ptr", math.prod(int(d) for d in op.shape) // rows))
         arrays |= {(f"{p.op.name}_local_ptr", -(-width // WARP) * n) for p in stage.placeholders
                    for n in {1, stage.schedule.rows_together}}
+        if with_row_value(stage.tensor) is not stage.tensor:
+            arrays.add((f"{ROW_VALUE}_local_ptr", -(-width // WARP)))
     return arrays
 
 

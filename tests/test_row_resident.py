@@ -282,3 +282,109 @@ def test_a_layer_norm_s_two_moments_stay_in_registers(shape):
     model = souffle.compile(_graph("layer_norm", shape)[0], target="cuda", opt_level=4)
     assert re.search(r"#pragma unroll\s+for \(int ax0 = 0; ax0 < 2; \+\+ax0\)", model.source), model.source
     assert model.resources.stack_bytes == 0 and model.resources.spill_bytes == 0
+
+
+def _split_gemm_then_layer_norm(width: int = 128):
+    """layer_norm(x @ W.T + bias + r) over 96 rows, K = 1024: at O4 the GEMM's 4 tiles are split
+    over K (``codegen.split_k``) and the LayerNorm reads the two partial products, the bias and
+    the residual, as paper BERT's FFN2 LayerNorm reads its four. The graph and PyTorch's answer
+    at a precision (each stored result rounded to it, products accumulated in float32)."""
+    rng = np.random.default_rng(7)
+    b = GraphBuilder("split_ln")
+    x, r = b.input("x", (96, 1024)), b.input("r", (96, width))
+    weights = {"w": rng.standard_normal((width, 1024)).astype("float32") / 32,
+               **{name: rng.standard_normal(width).astype("float32") for name in ("bias", "g", "beta")}}
+    w, bias, g, beta = (b.param(name, value) for name, value in weights.items())
+    graph = b.build(b.op("layer_norm", b.op("add", b.op("dense", x, w, bias), r), g, beta))
+
+    def answer(inputs: dict, narrow) -> np.ndarray:
+        def rounded(t):
+            return t.to(narrow).float()
+        t = {k: rounded(torch.from_numpy(v.copy())) for k, v in {**inputs, **weights}.items()}
+        y = rounded(rounded(t["x"] @ t["w"].T + t["bias"]) + t["r"])
+        return rounded(torch.nn.functional.layer_norm(y, (width,), t["g"], t["beta"])).numpy()
+
+    return graph, answer
+
+
+def test_a_row_of_split_k_partials_is_summed_once_into_registers():
+    """The LayerNorm after a split GEMM computes its row's value (the parts' sum, the bias and the
+    residual) once into registers (``with_row_value``): each part is loaded once, 4 floats at a
+    time, where the sum, the two moments and the output each loaded every part again."""
+    model = souffle.compile(_split_gemm_then_layer_norm()[0], target="cuda", opt_level=4, precision="fp16")
+    (row,) = [s for s in model.plan.stages() if s.epilogue == "row"]
+    assert [p.op.name for p in row.placeholders][0] == "T_matmul_NT_part_in"
+    kernel = model.source[model.source.rindex("main_kernel("):]
+    assert re.findall(r"float (row_value_local_ptr)\[(\d+)\];", kernel) == [("row_value_local_ptr", "4")]
+    assert re.findall(r"\*\(float4\*\)\(T_matmul_NT_part_in \+|T_matmul_NT_part_in\[", kernel) == \
+        ["*(float4*)(T_matmul_NT_part_in +"] * 2
+    assert model.resources.spill_bytes == 0 and model.resources.stack_bytes == 0
+
+
+def test_the_model_counts_each_partial_s_row_once():
+    """The latency model loads a row of each part, as the stage now does: two loads of the parts'
+    tensor a row (where it counted one), each 4 floats a lane, 16 sectors a warp."""
+    from analysis.device import get_device
+    from codegen.latency import stage_works
+
+    staged = run_passes(_split_gemm_then_layer_norm()[0], "cuda", stop="plan_arena", opt_level=4,
+                        precision="fp16").ir
+    (row,) = [k for k, s in enumerate(staged.stages()) if s.epilogue == "row"]
+    work = stage_works(staged, get_device("h100"))[row]
+    rows = staged.stages()[row].schedule.per_tile // 128
+    assert [(a.per_tile, a.sectors) for a in work.accesses if a.tensor == "T_matmul_NT_part_in"] == [(rows, 16)] * 2
+
+
+@pytest.mark.parametrize("precision,tolerance", [("fp16", 1e-2), ("fp32", 1e-4)])
+def test_a_layer_norm_of_split_k_partials_matches_torch_on_emulated_threads(precision, tolerance):
+    graph, answer = _split_gemm_then_layer_norm()
+    rng = np.random.default_rng(8)
+    inputs = {"x": rng.standard_normal((96, 1024)).astype("float32"),
+              "r": rng.standard_normal((96, 128)).astype("float32")}
+    model = souffle.compile(graph, target="cuda-emulated", opt_level=4, precision=precision)
+    assert [s.epilogue for s in model.plan.stages() if "T_matmul_NT_part_in" in [p.op.name for p in s.placeholders]] \
+        == ["row"]
+    narrow = {"fp16": torch.float16, "fp32": torch.float32}[precision]
+    for order in ("ascending", "descending"):
+        (got,) = model.schedule(order).run(inputs)
+        np.testing.assert_allclose(got, answer(inputs, narrow), rtol=tolerance, atol=tolerance, err_msg=order)
+
+
+def _parts_layer(shifted: bool = False):
+    """A statistic of rows that are two parts' sum, and an output that reads the same sum at its
+    own column (or, ``shifted``, at the next one)."""
+    parts = te.placeholder((2, 8, 64), name="parts")
+
+    def value(r, c):
+        return parts[0, r, c] + parts[1, r, c]
+
+    k = te.reduce_axis((0, 64), "k")
+    total = te.compute((8,), lambda r: te.sum(value(r, k), axis=k), name="total")
+    return te.compute((8, 64), lambda r, c: value(r, (c + 1) % 64 if shifted else c) - total[r] / 64, name="out")
+
+
+def _loads(tensor) -> set:
+    return {t.op.name for t in tensor.op.input_tensors}
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_the_row_s_value_is_read_only_where_a_body_computes_it_at_its_own_place(shifted):
+    """The statistic reads ``row_value``; so does the output where it computes the same sum at its
+    own row and column, and not where it computes it at another column, which keeps its loads."""
+    from codegen.row_resident import ROW_VALUE, with_row_value
+
+    out = with_row_value(_parts_layer(shifted))
+    (total,) = [t for t in out.op.input_tensors if t.op.name == "total"]
+    assert _loads(total) == {ROW_VALUE}
+    assert _loads(out) == ({"parts", "total"} if shifted else {ROW_VALUE, "total"})
+
+
+def test_rows_a_cache_holds_get_no_value_of_their_own():
+    """A row read at its own place (one tensor's row, a vector every row reads) is cached as it is."""
+    from codegen.row_resident import with_row_value
+
+    x, scale = te.placeholder((8, 64), name="x"), te.placeholder((64,), name="scale")
+    k = te.reduce_axis((0, 64), "k")
+    total = te.compute((8,), lambda r: te.sum(x[r, k] * scale[k], axis=k), name="total")
+    out = te.compute((8, 64), lambda r, c: x[r, c] * scale[c] - total[r], name="out")
+    assert with_row_value(out) is out
