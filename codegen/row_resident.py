@@ -92,7 +92,7 @@ def with_row_value(tensor: te.Tensor) -> te.Tensor:
             return rebuilt[t.op]
         op = t.op
         own_column = op.reduce_axis[0] if op.reduce_axis else op.axis[-1]
-        instance = Rewriter({ax.var: own.var for ax, own in zip(row_axes, op.axis)} | {column.var: own_column.var},
+        instance = Rewriter({ax.var: axis.var for ax, axis in zip(row_axes, op.axis)} | {column.var: own_column.var},
                             f"the rows of {tensor.op.name}")(value)
         reduce_axes = {ax.var: te.reduce_axis(ax.dom, ax.var.name) for ax in op.reduce_axis}
 
@@ -115,10 +115,8 @@ def _at_row(load, row_axes: list, column: tirx.IterVar) -> bool:
     """Whether the TE load ``load`` (``te.tensor_load``) reads its tensor at the row and column
     of a statistic's ``row_axes`` and reduction ``column`` only, or reads no column (as
     ``_reads_along_row`` asks of a block's loads): what a row cache holds."""
-    *leading, last = load.args[1:]
-    if not mentions(last, column.var) and not any(mentions(i, column.var) for i in leading):
-        return True
-    return _is(last, column) and len(leading) <= len(row_axes) and all(_is(i, ax) for i, ax in zip(leading, row_axes))
+    indices = load.args[1:]
+    return not any(mentions(i, column.var) for i in indices) or _at_own_place(indices, row_axes, column)
 
 
 def _same_value(a, b) -> bool:
@@ -437,10 +435,16 @@ def _reads_along_row(block: s_tir.SBlock, source) -> bool:
     for load in sub_expressions(block.body):
         if not (isinstance(load, ir_expr.TensorLoad) and load.source.same_as(source)):
             continue
-        *leading, last = load.indices
-        if not _is(last, column) or len(leading) > len(rows) or not all(_is(i, iv) for i, iv in zip(leading, rows)):
+        if not _at_own_place(load.indices, rows, column):
             return False
     return True
+
+
+def _at_own_place(indices, rows: list, column: tirx.IterVar) -> bool:
+    """Whether a load at ``indices`` reads at its own row (the leading indices the leading
+    ``rows`` iterators) and its own ``column`` (the last index): a place a row cache holds."""
+    *leading, last = indices
+    return _is(last, column) and len(leading) <= len(rows) and all(_is(i, row) for i, row in zip(leading, rows))
 
 
 def _is(index, iterator: tirx.IterVar) -> bool:

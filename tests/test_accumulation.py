@@ -110,7 +110,8 @@ def _row_arrays(staged) -> set[tuple[str, int]]:
     columns of each tensor it reads along the row, rounded up, ``codegen.row_resident``; of each
     of the rows its warp loads together, for a tensor of rows: paper Swin's aligned window
     softmax, 7 rows of 49 scores, 2 columns a lane each), and the row's value where it is
-    computed once (``with_row_value``: the same columns of a row of split-K partials' sum)."""
+    computed once (``with_row_value``, where a warp takes one row: the same columns of a row of
+    split-K partials' sum)."""
     arrays = set()
     for stage in staged.stages():
         if stage.epilogue != "row":
@@ -121,7 +122,8 @@ def _row_arrays(staged) -> set[tuple[str, int]]:
             arrays.add((f"{op.name}_local_ptr", math.prod(int(d) for d in op.shape) // rows))
         arrays |= {(f"{p.op.name}_local_ptr", -(-width // WARP) * n) for p in stage.placeholders
                    for n in {1, stage.schedule.rows_together}}
-        if with_row_value(stage.tensor) is not stage.tensor:
+        rows_per_warp = -(-(stage.schedule.per_tile // width) // (stage.schedule.threads // WARP))
+        if rows_per_warp == 1 and with_row_value(stage.tensor) is not stage.tensor:
             arrays.add((f"{ROW_VALUE}_local_ptr", -(-width // WARP)))
     return arrays
 
