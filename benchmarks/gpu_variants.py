@@ -140,12 +140,6 @@ def _one_row_at_a_time() -> list:
     return [mock.patch.object(schedule, "GEMV_ROWS_TOGETHER", ())]
 
 
-def _elementwise_rounds() -> list:
-    from codegen import schedule
-
-    return [mock.patch.object(schedule, "_vectorizes", lambda block, outputs, threads: False)]
-
-
 def _pair_epilogues() -> list:
     from codegen import epilogues
 
@@ -257,14 +251,6 @@ VARIANTS = {
         "measured a softmax at 14.9 us and a LayerNorm at 8.2-9 us there, the model 5.0 and 3.6; what does "
         "reading each row once save?",
         _pair_epilogues),
-    "no-elementwise-vectors": Variant(
-        "elementwise stages as the third run timed them: one output a thread in each round of a tile, the "
-        "rounds a block apart, not a vector of 4 consecutive outputs a thread (codegen.schedule._vectorizes). "
-        "Paper ResNeXt fp16's 44 sums after a split GEMM back to 784 tiles, three rounds of the grid, each a "
-        "trip to memory after the last round's store, where vectors take 196 tiles in one (H100 model: 0.23 "
-        "-> 0.20 us each; the third run measured segments of one elementwise stage at 10x the model); what do "
-        "the rounds cost?",
-        _elementwise_rounds),
     "occupancy": Variant(
         "the latency model with WARPS_TO_SATURATE = 32 (analysis.latency), which orders the H200's opt "
         "levels better, choosing the schedules: more, smaller tiles (with the 128 x 32 matmul tiles of the H200 "

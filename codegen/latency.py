@@ -3,8 +3,7 @@ are scheduled and emitted (``codegen.schedule``, ``codegen.cuda``), not as they 
 
 Per stage, from its template, tiles and epilogue:
 
-- who works: an elementwise or thread_reduce tile gives one output to each of its threads (an
-  elementwise one in ``vector``s of consecutive outputs where it has them), a
+- who works: an elementwise or thread_reduce tile gives one output to each of its threads, a
   warp_reduce tile ``per_tile / warps`` outputs to each warp (one by default), one after the
   other or ``rows_together`` (a GEMV's rows: a load they share is one load for all of them, and
   they take one dependent chain), its 32 lanes splitting each reduction;
@@ -274,11 +273,10 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
 
     if stage.epilogue == "row":
         accesses, active, memory_steps, on_chip_steps, barriers = _row_accesses(stage, tile, holders)
-    elif reduction is None:  # elementwise: one output per thread in each round of the tile, or
-        # a vector of consecutive ones (``schedule.vector``), one access of the warp for them all
+    elif reduction is None:  # elementwise: one output per thread in each round of the tile
         active = min(threads, schedule.outputs)
-        lanes = _thread_lanes(stage.tensor, tile * schedule.per_tile, WARP * schedule.vector)
-        count = -(-min(schedule.per_tile, schedule.outputs) // (WARP * schedule.vector))
+        lanes = _thread_lanes(stage.tensor, tile * schedule.per_tile)
+        count = -(-min(schedule.per_tile, schedule.outputs) // WARP)
         loads_of(_loads(stage.tensor), lanes, count)
         memory_steps, on_chip_steps, barriers = int(bool(accesses)), 0, 0
         stored = _store_sectors(stage.tensor, lanes)

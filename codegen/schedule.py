@@ -12,9 +12,7 @@ the GPU); ``codegen.cuda`` and ``codegen.llvm`` replace it with the persistent
 Templates, chosen from the block's iterators (never from an op's name):
 
 - ``elementwise``: no reduction. The output is walked in tiles of ``unroll x THREADS``
-  elements, consecutive threads on consecutive elements (coalesced); on the GPU, where its tiles
-  are whole and it reads nothing under a condition, in tiles of ``THREADS`` vectors of
-  ``ELEMENTWISE_VECTOR`` consecutive elements, a vector a thread (``_vectorizes``).
+  elements, consecutive threads on consecutive elements (coalesced).
 - ``warp_reduce``: few outputs, long reductions (softmax and norm statistics, a GEMV):
   one output per warp, its reduction split across the warp's 32 lanes (coalesced reads) and
   combined by TVM's cross-thread all-reduce, which for one warp is register shuffles only —
@@ -65,14 +63,12 @@ from functools import reduce as _fold
 import islpy as isl
 import tvm
 from tvm import s_tir, te, tirx
-from tvm.ir import expr as ir_expr
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import get_root_block
 
 from analysis.affine import Rewriter, recompute, row_major
 from analysis.characterize import same_elements_axis, shares_loads_along_rows
-from analysis.dependence import (IF_THEN_ELSE, TENSOR_LOAD, IslWriter, NotAffine, is_call_to, sub_expressions,
-                                 tensor_loads)
+from analysis.dependence import TENSOR_LOAD, IslWriter, NotAffine, is_call_to, tensor_loads
 from codegen.stitch import align
 from codegen.tensor_core import (NARROW_TILES, TF32_NARROW_TILES, TF32_TILES, TILES, TensorCoreTile,
                                  pipeline_chunks, selects, tensor_core_schedule, whole_row_tile)
@@ -145,9 +141,6 @@ class StageSchedule:
     # row-resident only: the consecutive columns of a row each lane loads and stores at once
     # (``codegen.row_resident.row_vector``)
     row_vector: int = 1
-    # elementwise only: the consecutive outputs each thread computes as one vector, its loads
-    # together (``_vectorizes``); 1 where a thread's outputs are a block apart
-    vector: int = 1
 
     def __str__(self):
         shared = f", {self.shared_bytes} B shared" if self.shared_bytes else ""
@@ -247,14 +240,8 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         sch.reverse_compute_at(blocks[1], fused)
     warps = threads // WARP
     sums = None
-    vector = 1
     if template == "elementwise":
-        if gpu and _vectorizes(sch.get(block), outputs, threads):
-            vector, per_tile = ELEMENTWISE_VECTOR, threads * ELEMENTWISE_VECTOR
-            tile, warp, lane, elements = sch.split(fused, [None, warps, WARP, vector])
-            sch.vectorize(elements)
-        else:
-            tile, _, warp, lane = sch.split(fused, [None, per_tile // threads, warps, WARP])
+        tile, _, warp, lane = sch.split(fused, [None, per_tile // threads, warps, WARP])
         holder = lane
     elif template == "warp_reduce":  # each warp's outputs (WARP_REDUCE_ROWS) one after the other
         tile, warp, *_ = sch.split(fused, [None, warps] + ([per_tile // warps] if per_tile > warps else []))
@@ -295,31 +282,7 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     if gpu and epilogue_mode == "shared":
         func = _synchronize_epilogue(func)
     return func, StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch),
-                               rows_together=1 if sums is None else per_tile // warps, vector=vector)
-
-
-# The consecutive outputs each thread of an elementwise GPU stage computes as one vector where it
-# can (``_vectorizes``), and the dtypes it does it for: those whose vectors of 4 TVM's CUDA code
-# generator prints as one access (``half4``, 8 bytes; ``float4``, 16).
-ELEMENTWISE_VECTOR = 4
-VECTOR_DTYPES = ("float16", "float32")
-
-
-def _vectorizes(block: s_tir.SBlock, outputs: int, threads: int) -> bool:
-    """Whether an elementwise ``block`` of ``outputs`` elements is computed in tiles of ``threads``
-    vectors of ``ELEMENTWISE_VECTOR`` consecutive outputs (``StageSchedule.vector``): its tiles
-    are whole (no guard on the last one) and it reads nothing under a condition (a padding).
-    TVM's vectorizer computes such a body once for a whole vector, so a thread issues its loads
-    together, then one store, and a tile covers 4 times the outputs: paper ResNeXt's 200704
-    sums after a split GEMM take 196 tiles, one round of the grid, where tiles of one
-    output a thread took 784, three rounds, each a trip to memory after the last round's store
-    (every arena view hangs off one pointer, so nvcc cannot move a load above it). Under a guard
-    or a condition TVM computes the elements one by one, lanes 4 elements apart; such stages
-    keep a thread's outputs a block apart, each round coalesced."""
-    loads = [e for e in sub_expressions(block.body) if isinstance(e, ir_expr.TensorLoad)]
-    dtypes = {str(block.writes[0].source.dtype), *(str(load.source.dtype) for load in loads)}
-    return outputs % (threads * ELEMENTWISE_VECTOR) == 0 and dtypes <= set(VECTOR_DTYPES) and \
-        not any(is_call_to(e, IF_THEN_ELSE) for e in sub_expressions(block.body))
+                               rows_together=1 if sums is None else per_tile // warps)
 
 
 def _reduce_rows_together(sch: s_tir.Schedule, block, lane, gpu: bool):

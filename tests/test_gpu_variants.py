@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import gpu_kernels  # noqa: E402
 import gpu_variants  # noqa: E402
-from test_elementwise_vectors import _graph as _elementwise_graph  # noqa: E402
 from test_split_k import _narrow_gemm  # noqa: E402
 
 
@@ -197,18 +196,6 @@ def test_two_rows_per_warp_halves_the_lstm_steps_tiles_and_keeps_its_outputs():
     for output, reference in zip(model.schedule("descending", None, seed=4).run(inputs), expected):
         np.testing.assert_allclose(output, reference, rtol=1e-5, atol=1e-5)
     assert step(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == (24, 4)
-
-
-def test_no_elementwise_vectors_keeps_a_thread_s_outputs_a_block_apart_and_only_while_applied():
-    def vectors(staged) -> list[tuple[int, int]]:
-        return [(s.schedule.vector, s.schedule.n_tiles) for s in staged.stages()
-                if s.schedule.template == "elementwise"]
-
-    graph = _elementwise_graph((16, 1024))[0]
-    assert vectors(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == [(4, 16)]
-    with gpu_variants.applied("no-elementwise-vectors"):
-        assert vectors(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == [(1, 64)]
-    assert vectors(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == [(4, 16)]
 
 
 def test_occupancy_turns_the_latency_models_occupancy_term_on_for_the_compile():

@@ -6,7 +6,6 @@ import dataclasses
 import pytest
 
 from analysis.device import A100, H200
-from codegen import schedule
 from codegen.partition import (
     REGISTER_ESTIMATES,
     TENSOR_CORE_BASE_REGISTERS,
@@ -161,13 +160,10 @@ def test_a_costlier_launch_keeps_one_kernel():
     assert len(partition(staged, slow_launch).kernels) == 1
 
 
-def test_many_small_slowdowns_add_up_to_a_split(monkeypatch):
+def test_many_small_slowdowns_add_up_to_a_split():
     # The 200 KB stage comes first; each light stage after it alone loses 3 x 0.44 = 1.3 us at grid
     # 132, less than a split (3.4 us), but four lose 5.2 us together: the split comes right after it.
-    # Together 5 stages x 4 x 0.44 = 8.7 us; apart 4 x 0.44 + 4 x 0.44 = 3.5 us. (Figures for tiles
-    # of one output a thread, 1024 a stage: in vectors of 4 a thread, 256, the light stages lose
-    # less at grid 132.)
-    monkeypatch.setattr(schedule, "_vectorizes", lambda block, outputs, threads: False)
+    # Together 5 stages x 4 x 0.44 = 8.7 us; apart 4 x 0.44 + 4 x 0.44 = 3.5 us.
     four = _needs_shared(_staged(_chain(512, ["tanh", "relu", "sigmoid", "relu", "sigmoid"])), "chain_r0/tanh0",
                          200 * KB)
     result = partition(four, H200)

@@ -94,11 +94,8 @@ def test_the_cpu_gets_the_same_tiles_without_threads():
 
 
 def test_smaller_blocks_make_more_tiles():
-    """One output a thread (19136 outputs, no whole tiles of vectors), and a vector of 4 a thread."""
-    _, schedule = schedule_stage(_func((64, 299)), gpu=True, threads=64)
-    assert (schedule.n_tiles, schedule.per_tile, schedule.threads, schedule.vector) == (299, 64, 64, 1)
-    _, vectors = schedule_stage(_func((64, 300)), gpu=True, threads=64)
-    assert (vectors.n_tiles, vectors.per_tile, vectors.threads, vectors.vector) == (75, 256, 64, 4)
+    _, schedule = schedule_stage(_func((64, 300)), gpu=True, threads=64)
+    assert (schedule.n_tiles, schedule.per_tile, schedule.threads) == (300, 64, 64)
 
 
 def test_a_function_of_several_blocks_is_refused():
