@@ -239,8 +239,7 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
         _, value_lane, *value_vector = sch.split(sch.get_loops(value)[-1], _lanes(vector))
         sch.bind(value_lane, "threadIdx.x")
         if value_vector:
-            sch.vectorize(sch.split(value_vector[0], [None, COMPUTED_VECTOR])[1] if vector > COMPUTED_VECTOR
-                          else value_vector[0])
+            _compute_in_vectors(sch, value_vector[0], vector)
         caches.append((sch.get(value).writes[0].source, 1))
     for block in statistics:
         own = sch.get_loops(block)[depth:]
@@ -284,10 +283,7 @@ def row_resident_stage(func: tirx.PrimFunc, gpu: bool, threads: int, rows_per_wa
         sch.bind(warp, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
         if lane_vector:
-            # the output computed a float32 vector at a time: TVM prints a float32 vector of 8 as
-            # a ``make_ulonglong4`` of eight values, which nvcc refuses
-            sch.vectorize(sch.split(lane_vector[0], [None, COMPUTED_VECTOR])[1] if vector > COMPUTED_VECTOR
-                          else lane_vector[0])
+            _compute_in_vectors(sch, lane_vector[0], vector)
     scheduled = _thread_private(sch.mod["main"], caches, vector)
     n_tiles = -(-n_rows // tile_rows)
     if gpu and n_tiles == 1:
@@ -349,6 +345,13 @@ def row_vector(width: int, blocks: list) -> int:
     while vector > 1 and (width % (WARP * vector) or any(int(t.shape[-1]) % vector for t in moved)):
         vector //= 2
     return vector
+
+
+def _compute_in_vectors(sch: s_tir.Schedule, loop, vector: int) -> None:
+    """A lane's ``vector`` columns (``loop``) computed ``COMPUTED_VECTOR`` float32 elements at a
+    time: TVM prints a float32 vector of 8 as a ``make_ulonglong4`` of eight values, which nvcc
+    refuses."""
+    sch.vectorize(sch.split(loop, [None, COMPUTED_VECTOR])[1] if vector > COMPUTED_VECTOR else loop)
 
 
 def _lanes(vector: int) -> list:
