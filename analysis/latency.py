@@ -37,7 +37,7 @@ chip: a quarter at 32).
 
 Which of them is the largest is the stage's ``bound``. The whole model adds every stage's time
 times its executions (scan bodies run once per trip), ``DeviceModel.grid_sync_seconds`` per grid
-barrier executed (measured on an H100: it grows with the grid's blocks) and
+barrier executed, at its own kernel's grid (measured on an H100: it grows with the grid's blocks) and
 ``DeviceModel.launch_seconds`` per kernel launched. Its roofline bound is ``max(FLOPs at peak,
 compulsory bytes at DRAM bandwidth)``: no schedule beats it. A stage's
 ``fraction_of_peak`` is its FLOPs over its time at the peak of its dtype (the FMA peak for
@@ -225,7 +225,7 @@ class LatencyEstimate:
     model: str
     device: DeviceModel
     stages: tuple[StageEstimate, ...]
-    grid_barriers: int  # executed per inference
+    barriers: tuple[tuple[int, int], ...]  # per kernel: (its grid, grid barriers it executes per inference)
     launches: int  # kernels launched per inference
     compulsory_bytes: int  # weights, inputs and outputs: what any implementation moves once
 
@@ -234,13 +234,19 @@ class LatencyEstimate:
         return sum(s.total_seconds for s in self.stages)
 
     @property
+    def grid_barriers(self) -> int:
+        """Grid barriers executed per inference, in every kernel."""
+        return sum(count for _, count in self.barriers)
+
+    @property
     def barrier_grid(self) -> int:
-        """The blocks a grid barrier waits for: the widest kernel's grid (every stage's, for one kernel)."""
-        return max((s.work.grid for s in self.stages), default=1)
+        """The blocks the widest kernel's grid barrier waits for (a one-kernel program's only grid)."""
+        return max((grid for grid, _ in self.barriers), default=1)
 
     @property
     def barrier_seconds(self) -> float:
-        return self.grid_barriers * self.device.grid_sync_seconds(self.barrier_grid)
+        """Each kernel's barriers at its own grid: a barrier waits for every block of its kernel."""
+        return sum(count * self.device.grid_sync_seconds(grid) for grid, count in self.barriers)
 
     @property
     def launch_seconds(self) -> float:
@@ -308,7 +314,7 @@ class LatencyEstimate:
         return {"device": self.device.name, "seconds": self.seconds, "stage_seconds": self.stage_seconds,
                 "barrier_seconds": self.barrier_seconds, "launch_seconds": self.launch_seconds,
                 "roofline_seconds": self.roofline_seconds, "grid_barriers": self.grid_barriers,
-                "barrier_grid": self.barrier_grid,
+                "barriers": [{"grid": grid, "executed": count} for grid, count in self.barriers],
                 "launches": self.launches,
                 "stages": [{"name": s.work.name, "template": s.work.template, "executions": s.work.executions,
                             "n_tiles": s.work.n_tiles, "waves": s.work.waves,
@@ -317,11 +323,12 @@ class LatencyEstimate:
                             "gemm": s.work.gemm} for s in self.stages]}
 
 
-def estimate_program(model: str, works: list[StageWork], grid_barriers: int, launches: int,
+def estimate_program(model: str, works: list[StageWork], barriers: list[tuple[int, int]], launches: int,
                      compulsory_bytes: int, device: DeviceModel) -> LatencyEstimate:
-    """The whole model: every stage of ``works`` estimated on ``device``, with its barriers and launches."""
-    return LatencyEstimate(model, device, tuple(estimate_stage(w, device) for w in works), grid_barriers, launches,
-                           compulsory_bytes)
+    """The whole model: every stage of ``works`` estimated on ``device``, with its barriers ((grid,
+    executed count) per kernel) and launches."""
+    return LatencyEstimate(model, device, tuple(estimate_stage(w, device) for w in works),
+                           tuple((int(g), int(n)) for g, n in barriers), launches, compulsory_bytes)
 
 
 def _duration(seconds: float) -> str:

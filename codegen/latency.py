@@ -87,8 +87,10 @@ def latency_estimate(staged: StagedProgram, device: DeviceModel,
     """``staged`` estimated on ``device`` (``analysis.latency``); ``occupancies``: each kernel's,
     from ptxas; ``traffic``: ``memory_traffic(staged)`` and ``behind_l2`` its ``l2_traffic`` on
     ``device``, where the caller has them already."""
-    return estimate_program(staged.name, stage_works(staged, device, occupancies, traffic, behind_l2),
-                            staged.barrier_count(executed=True), staged.kernel_count(executed=True),
+    works = stage_works(staged, device, occupancies, traffic, behind_l2)
+    grids = {kernel: work.grid for (_, kernel, _), work in zip(kernel_runs(staged.items), works, strict=True)}
+    barriers = [(grids[kernel], count) for kernel, count in enumerate(kernel_barriers(staged.items)) if count]
+    return estimate_program(staged.name, works, barriers, staged.kernel_count(executed=True),
                             compulsory_bytes(staged), device)
 
 
@@ -146,6 +148,21 @@ def kernel_runs(items: list) -> list[tuple[Stage | OnChip, int, int]]:
     """(stage or on-chip load, its kernel's index, executions per inference), in program order,
     the kernels numbered as ``codegen.cuda.kernel_plan`` makes them: a new one at every item with
     a ``launch``, and after every loop the host runs (whose body's kernels come between)."""
+    return [run for run in _walk(items) if not isinstance(run[0], Loop)]
+
+
+def kernel_barriers(items: list) -> list[int]:
+    """Grid barriers each kernel (numbered as ``kernel_runs``) executes per inference."""
+    counts: list[int] = []
+    for item, kernel, executions in _walk(items):
+        if not isinstance(item, OnChip) and item.barrier is not None:
+            counts.extend([0] * (kernel + 1 - len(counts)))
+            counts[kernel] += executions
+    return counts
+
+
+def _walk(items: list) -> list[tuple[Stage | Loop | OnChip, int, int]]:
+    """``kernel_runs`` with the loops the kernels run (each before its loads and body) among them."""
     runs: list = []
     kernel, open_run = -1, False
 
@@ -159,11 +176,10 @@ def kernel_runs(items: list) -> list[tuple[Stage | OnChip, int, int]]:
                 continue
             if item.launch is not None or not open_run:
                 kernel, open_run = kernel + 1, True
+            runs.append((item, kernel, executions))
             if isinstance(item, Loop):
                 runs.extend((load, kernel, executions) for load in item.loads)
                 visit(item.items, executions * item.trips)
-            else:
-                runs.append((item, kernel, executions))
 
     visit(items, 1)
     return runs

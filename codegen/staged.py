@@ -159,15 +159,15 @@ class StagedProgram:
 
     def barrier_count(self, executed: bool = False) -> int:
         """Grid barriers in the code, or (``executed``) run per inference, loops unrolled."""
-        return _count(self.items, lambda s: s.barrier is not None, executed)
+        return count_items(self.items, lambda s: s.barrier is not None, executed)
 
     def stage_count(self, executed: bool = False) -> int:
-        return _count(self.items, lambda s: isinstance(s, Stage), executed)
+        return count_items(self.items, lambda s: isinstance(s, Stage), executed)
 
     def kernel_count(self, executed: bool = False) -> int:
         """Kernels in the code, or (``executed``) launched per inference."""
         first = next(iter(self.items), None)
-        return _count(self.items, lambda s: s.launch is not None, executed) + int(first is not None and first.launch is None)
+        return count_items(self.items, lambda s: s.launch is not None, executed) + int(first is not None and first.launch is None)
 
     def summary(self) -> dict[str, str]:
         """The report's lines on the persistent kernel: launches, stages, barriers."""
@@ -256,13 +256,13 @@ def loops_in(items):
             yield from loops_in(item.items)
 
 
-def _count(items, predicate, executed: bool) -> int:
+def count_items(items, predicate, executed: bool) -> int:
     """Items (stages, or loops for their own barrier) satisfying ``predicate``, loop bodies
     counted once or, ``executed``, once per trip."""
     total = 0
     for item in items:
         if isinstance(item, Loop):
-            total += _count(item.items, predicate, executed) * (item.trips if executed else 1)
+            total += count_items(item.items, predicate, executed) * (item.trips if executed else 1)
         total += int(predicate(item))
     return total
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from analysis.device import DEVICES, H100, get_device
+from analysis.device import DEVICES, H100, Occupancy, get_device
 from analysis.latency import (
     DRAM_CYCLES,
     L1_HIT_CYCLES,
@@ -204,8 +204,8 @@ def test_a_padded_tensor_core_stage_issues_its_whole_tiles(monkeypatch):
 
 def test_barriers_and_launches_add_their_cost():
     works = [_work()]
-    plain = estimate_program("m", works, 0, 1, 0, H100)
-    synced = estimate_program("m", works, 3, 2, 0, H100)
+    plain = estimate_program("m", works, [], 1, 0, H100)
+    synced = estimate_program("m", works, [(works[0].grid, 3)], 2, 0, H100)
     assert synced.seconds - plain.seconds == pytest.approx(3 * H100.grid_sync_seconds(works[0].grid)
                                                            + H100.launch_seconds)
 
@@ -223,12 +223,13 @@ def test_a_grid_barrier_costs_what_the_h100_measured_at_its_grid():
         assert H100.grid_sync_seconds(row["grid"]) * 1e6 == pytest.approx(row["barrier_us"], abs=0.04)
     assert H100.grid_sync_seconds(1056) > H100.grid_sync_seconds(132) > 1e-6
     works = [_work(grid=132), _work(grid=660)]
-    assert estimate_program("m", works, 10, 1, 0, H100).barrier_seconds == pytest.approx(
-        10 * H100.grid_sync_seconds(660))  # the widest kernel's grid
+    estimate = estimate_program("m", works, [(132, 4), (660, 6)], 2, 0, H100)
+    assert estimate.grid_barriers == 10
+    assert estimate.barrier_seconds == pytest.approx(4 * H100.grid_sync_seconds(132) + 6 * H100.grid_sync_seconds(660))
 
 
 def test_roofline_bound_is_flops_at_peak_or_compulsory_bytes():
-    estimate = estimate_program("m", [_work(flops=67 * 10**9)], 0, 1, 3350, H100)
+    estimate = estimate_program("m", [_work(flops=67 * 10**9)], [], 1, 3350, H100)
     assert estimate.roofline_seconds == pytest.approx(1e-3)  # 67 GFLOP at 67 TFLOP/s; 3350 B take 1 ns
     assert estimate.seconds > estimate.roofline_seconds
 
@@ -249,6 +250,30 @@ def test_a_scan_body_counts_once_per_trip():
     assert estimate.seconds == pytest.approx(sum(s.total_seconds for s in estimate.stages)
                                              + estimate.grid_barriers * H100.grid_sync_seconds(estimate.barrier_grid)
                                              + H100.launch_seconds)
+
+
+def test_each_kernel_pays_its_barriers_at_its_own_grid():
+    """Tiny ResNeXt split in two halfway: each kernel's executed barriers at its own grid, the
+    second kernel's first item waiting for its launch instead."""
+    from codegen.latency import kernel_barriers
+    from codegen.partition import Split, split_kernels
+    from codegen.staged import count_items, stages_in
+    from souffle import models
+
+    staged = run_passes(models.build("resnext", "tiny"), "cuda", stop="plan_arena", device="h100").ir
+    middle = next(k for k, item in enumerate(staged.items) if k >= len(staged.items) // 2 and item.barrier)
+    split = split_kernels(staged, [Split(staged.items[middle].name, "halfway")])
+    before, after = (count_items(items, lambda s: s.barrier is not None, executed=True)
+                     for items in (staged.items[:middle], staged.items[middle + 1:]))
+    assert kernel_barriers(split.items) == [before, after] and before and after
+    occupancies = [Occupancy("h100", blocks, 132 * blocks, {"registers": blocks}) for blocks in (2, 1)]
+    widest = [max(s.schedule.n_tiles for s in stages_in(items))
+              for items in (split.items[:middle], split.items[middle:])]
+    grids = [min(o.grid, tiles) for o, tiles in zip(occupancies, widest)]  # a kernel launches no idle blocks
+    estimate = latency_estimate(split, H100, occupancies)
+    assert estimate.barriers == ((grids[0], before), (grids[1], after))
+    assert estimate.barrier_seconds == pytest.approx(before * H100.grid_sync_seconds(grids[0])
+                                                     + after * H100.grid_sync_seconds(grids[1]))
 
 
 @pytest.mark.parametrize("level", [0, 4])

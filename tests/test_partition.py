@@ -120,7 +120,7 @@ def test_a_200_kb_stage_is_split_off_with_its_numbers():
     assert result.splits[0].reason == (
         "split before chain_r0/tanh2: chain_r0/tanh2 needs 200 KB of shared memory per block, so one kernel for "
         "the 3 stages of this kernel and the one before would fit 1 blocks/SM (grid 132) where apart they get "
-        "grids 1056 and 132; at grid 132 they would take 21.0 us instead of 10.5 us, 10.5 us more, against a "
+        "grids 1056 and 132; at grid 132 their stages and grid barriers would take 21.0 us instead of 10.5 us, 10.5 us more, against a "
         "split's cost of 4.7 us (launch 3.0 us + DRAM round trip of 4.19 MB the kernel before writes for this one)")
     assert str(result) == "\n".join([
         "2 kernels on h200:",
@@ -154,6 +154,22 @@ def test_split_only_when_the_slowdown_exceeds_its_cost(side, kernels):
     assert len(partition(staged, H200).kernels) == kernels
 
 
+def test_each_kernel_pays_its_grid_barriers_at_its_own_grid():
+    """The 1024 chain above with a grid barrier before sigmoid1 and tanh2 (0.97 us + 1.22 ns a
+    block). One kernel: 21.0 us of stages + 2 barriers at grid 132 (1.13 us each) = 23.2 us. Apart:
+    10.5 us + sigmoid1's barrier at grid 1056 (2.26 us) = 12.7 us; tanh2 waits for its launch. At
+    20 ns a block a barrier at grid 1056 (22.1 us) costs more than a launch, and every stage takes
+    its own kernel."""
+    staged = _needs_shared(_staged(_chain(1024, ["relu", "sigmoid", "tanh"])), "chain_r0/tanh2", 200 * KB)
+    for item in staged.items[1:]:
+        item.barrier = "reads what the stage before writes"
+    result = partition(staged, H200)
+    assert len(result.kernels) == 2
+    assert "would take 23.2 us instead of 12.7 us, 10.5 us more" in result.splits[0].reason
+    costly_barriers = dataclasses.replace(H200, grid_sync_seconds_per_block=20e-9)
+    assert len(partition(staged, costly_barriers).kernels) == 3
+
+
 def test_a_costlier_launch_keeps_one_kernel():
     staged = _needs_shared(_staged(_chain(1024, ["relu", "sigmoid", "tanh"])), "chain_r0/tanh2", 200 * KB)
     slow_launch = dataclasses.replace(H200, launch_seconds=20e-6)  # more than the 10.5 us saved
@@ -169,7 +185,8 @@ def test_many_small_slowdowns_add_up_to_a_split():
     result = partition(four, H200)
     assert [len(kernel) for kernel in result.kernels] == [1, 4]
     assert [s.before for s in result.splits] == ["chain_r0/relu1"]
-    assert "at grid 132 they would take 8.7 us instead of 3.5 us, 5.2 us more" in result.splits[0].reason
+    assert "at grid 132 their stages and grid barriers would take 8.7 us instead of 3.5 us, 5.2 us more" in (
+        result.splits[0].reason)
     two = _needs_shared(_staged(_chain(512, ["tanh", "relu", "sigmoid"])), "chain_r0/tanh0", 200 * KB)
     assert len(partition(two, H200).kernels) == 1
 
