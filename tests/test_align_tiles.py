@@ -71,9 +71,11 @@ def _attention(rows: int = ROWS):
 
 @pytest.fixture
 def dear_barriers(monkeypatch):
-    """The H200 model with a grid barrier of 20 us, which no softmax of these sizes costs."""
+    """The H200 model with a grid barrier of 20 us, which no softmax of these sizes costs, and a
+    launch of 100 us, so that the partition does not trade the barriers for kernels."""
     monkeypatch.setitem(devices._GPUS, "h200", dataclasses.replace(devices.get_device("h200"),
-                                                                    grid_sync_base_seconds=20e-6))
+                                                                    grid_sync_base_seconds=20e-6,
+                                                                    launch_seconds=100e-6))
 
 
 def _stages(staged) -> dict:
