@@ -13,6 +13,7 @@ import pytest
 import tvm
 from tvm import tirx
 
+import analysis.threads as threads
 import souffle
 from analysis.threads import Converter, Form, NonAffine, _floordiv, _floormod, _mixed_radix, validate_kernel
 from souffle import models
@@ -342,3 +343,49 @@ def test_coverage_digits_follow_a_tensors_rows_not_a_tile_width_that_cuts_them(t
     15 minutes on paper EfficientNet, the rows' own strides a hundredth of a second."""
     write = SimpleNamespace(index=sum((Form.atom(name).scale(c) for name, c in terms.items()), Form.const(32)))
     assert _mixed_radix([write], extent) == digits
+
+
+@pytest.mark.parametrize("constraint", [
+    "(0) <= a < (18)",
+    "((3*((1*a) mod 3) + 1*floor((3*floor((1*b)/2) + 1*((8*a + 1*floor((1*b)/4)) mod 3))/2)) < (8))",
+    "(not ((1*a) = (2)))",
+    "(((1*a) < (4)) or ((1*b) >= (3)))",
+    "((1*a) != (1*b) and (0 = 0))",
+    "4 * a <= 3 * b + 1 < 4 * a + 4",
+])
+def test_enumeration_reads_a_constraint_as_isl_does(constraint):
+    """``analysis.threads._holds`` (the enumerated coverage proof's reading of the validator's isl
+    constraints) agrees with isl at every point of a box, negative values included."""
+    import islpy as isl
+    import numpy as np
+
+    from analysis.threads import _holds
+
+    a, b = (g.ravel() for g in np.meshgrid(np.arange(-6, 20), np.arange(-6, 20), indexing="ij"))
+    holds = np.broadcast_to(_holds(constraint, {"a": a, "b": b}), a.shape)
+    points = isl.Set(f"{{ [a, b] : {constraint} and -6 <= a < 20 and -6 <= b < 20 }}")
+    expected = np.zeros(a.shape, dtype=bool)
+    points.foreach_point(lambda p: expected.__setitem__(
+        (p.get_coordinate_val(isl.dim_type.set, 0).to_python() + 6) * 26
+        + p.get_coordinate_val(isl.dim_type.set, 1).to_python() + 6, True))
+    assert (holds == expected).all() and expected.any()
+
+
+@pytest.mark.parametrize("kind", ["fewer_threads", "collapse_reduction"])
+def test_enumerated_coverage_finds_what_isl_finds(lstm_o4, kind, monkeypatch):
+    """The tiny LSTM's coverage proofs by enumeration (every stage's writes are the same at every
+    grid size) and by isl (``ENUMERATED_POINTS`` = 0) refuse the same stages of each mutant."""
+    def refused_stages(func):
+        found = [v.split(":")[0] for v in _violations(lstm_o4, func)
+                 if "is never written" in v or "must have exactly one writer" in v]
+        return sorted(set(found))
+
+    enumerated = []
+    original = threads.Checker._enumerated_coverage
+    monkeypatch.setattr(threads.Checker, "_enumerated_coverage",
+                        lambda self, *args: enumerated.append(args[0]) or original(self, *args))
+    mutants_of_kind = [make() for _, make in mutants.sites(lstm_o4)[kind]][:6]
+    by_enumeration = [refused_stages(func) for func in mutants_of_kind]
+    assert enumerated and any(by_enumeration)
+    monkeypatch.setattr(threads, "ENUMERATED_POINTS", 0)
+    assert [refused_stages(func) for func in mutants_of_kind] == by_enumeration
