@@ -1479,8 +1479,8 @@ class Checker:
         writes are more than ``ENUMERATED_POINTS``.
 
         The same answer as isl's for a domain that is finite and the same at every grid size, in
-        seconds where isl may take an hour: a tensor-core stage's output through shared memory
-        (nested floors of a 96 x 96 tile, 99 tiles) took isl's subtraction over 35 minutes."""
+        seconds: a tensor-core stage's output through shared memory (nested floors of a 96 x 96
+        tile, 99 tiles) took isl's subtraction over 35 minutes."""
         minimum = int(self.kernel.grid_domain.split(">=")[1])
         trip = "i" + tile.removeprefix("T")
         tile_loop = {f"0 <= {BLOCK}{{s}} < {GRID}", f"{GRID} >= {minimum}", f"{BLOCK}{{s}} <= {tile}{{s}}",
