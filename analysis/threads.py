@@ -452,7 +452,7 @@ class Kernel:
     errors: list = field(default_factory=list)
     params: list = field(default_factory=lambda: [GRID])  # isl parameters
     parameter_domain: list = field(default_factory=list)  # host loop counters' ranges
-    grid_domain: str = f"{GRID} >= 1"
+    min_grid: int = 1  # the fewest blocks the kernel is launched with
     bounds: dict = field(default_factory=dict)  # variable -> (lowest, highest), where constant
     in_flight: list = field(default_factory=list)  # InFlight: each cp.async copy, issued to retired
 
@@ -491,7 +491,7 @@ class Walker:
         self.min_grid = min_grid
         self.func = func
         self.warps = warps
-        self.kernel = Kernel(name, grid_domain=f"{GRID} >= {min_grid}")
+        self.kernel = Kernel(name, min_grid=min_grid)
         self.conv = Converter()
         self.memories: dict = {}  # buffer -> Memory
         self.ids = itertools.count()
@@ -1481,7 +1481,7 @@ class Checker:
         The same answer as isl's for a domain that is finite and the same at every grid size, in
         seconds: a tensor-core stage's output through shared memory (nested floors of a 96 x 96
         tile, 99 tiles) took isl's subtraction over 35 minutes."""
-        minimum = int(self.kernel.grid_domain.split(">=")[1])
+        minimum = self.kernel.min_grid
         trip = "i" + tile.removeprefix("T")
         tile_loop = {f"0 <= {BLOCK}{{s}} < {GRID}", f"{GRID} >= {minimum}", f"{BLOCK}{{s}} <= {tile}{{s}}",
                      f"0 <= {trip}{{s}}", f"{minimum}*{trip}{{s}} <= {tile}{{s}} - {BLOCK}{{s}}"}
@@ -1525,9 +1525,8 @@ class Checker:
             written = np.zeros(extent, dtype=bool)
             written[element[(element >= 0) & (element < extent)]] = True
             if not written.all():
-                minimum = int(self.kernel.grid_domain.split(">=")[1])
                 self.violations.append(f"{where}: element {int(np.argmin(written))} of {extent} is never written "
-                                       f"(grid size {minimum})")
+                                       f"(grid size {self.kernel.min_grid})")
                 return
         writers = int(writer.max(initial=0)) + 1
         pairs = np.sort((element - element.min(initial=0)) * writers + writer)  # (element, writer) pairs
@@ -1552,7 +1551,7 @@ class Checker:
         to_digits = isl.Map(f"{params} -> {{ [e] -> [{', '.join(digits)}] : 0 <= e < {extent} and "
                             f"{' and '.join(definitions)} }}")
         box = " and ".join([f"0 <= {d} < {span // stride}" for d, stride, span in zip(digits, strides, spans)]
-                           + [self.kernel.grid_domain, *self.kernel.parameter_domain])
+                           + [f"{GRID} >= {self.kernel.min_grid}", *self.kernel.parameter_domain])
         missing = isl.Set(f"{params} -> {{ [{', '.join(digits)}] : {box} }}").subtract(
             written.range().apply(to_digits))
         if missing.is_empty():
