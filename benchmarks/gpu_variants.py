@@ -140,6 +140,12 @@ def _one_row_at_a_time() -> list:
     return [mock.patch.object(schedule, "GEMV_ROWS_TOGETHER", ())]
 
 
+def _unstaged_vector() -> list:
+    from codegen import schedule
+
+    return [mock.patch.object(schedule, "staged_vector", lambda tensor: tensor)]
+
+
 def _pair_epilogues() -> list:
     from codegen import epilogues
 
@@ -244,6 +250,13 @@ VARIANTS = {
         "rows a warp make 320 tiles in one (H100 model: 2.68 -> 1.42 us a step, 505 -> 322 us); what do the "
         "rounds cost?",
         _one_row_at_a_time),
+    "no-staged-vector": Variant(
+        "a GEMV with rows together reads its vector from global memory in every warp, not from a copy the "
+        "block makes in shared memory once a tile (codegen.schedule.staged_vector): paper LSTM's gate product "
+        "at fp16, where the 8 warps of a tile each load all 512 inputs (4 sectors a load: h and c interleaved) "
+        "and the copy costs a trip to memory and a __syncthreads (H100 model: 1.42 -> 1.13 us a step, 322 -> "
+        "291 us). Does the L1 traffic it saves pay for them?",
+        _unstaged_vector),
     "no-row-resident": Variant(
         "softmax and LayerNorm as the third run timed them: the row's first statistic (a max, a sum) a stage "
         "of its own, then the next with the output as a shared-memory epilogue, each row read three times, "

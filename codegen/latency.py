@@ -35,6 +35,7 @@ does before ptxas runs (``stage_registers``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -132,11 +133,17 @@ def stage_seconds(stage: Stage, device: DeviceModel, traffic: StageTraffic | Non
 
 
 def stage_estimate(stage: Stage, device: DeviceModel, traffic: StageTraffic | None = None,
-                   blocks_per_sm: int | None = None) -> StageEstimate:
+                   blocks_per_sm: int | None = None, matrix_on_chip: bool = False) -> StageEstimate:
     """``stage_seconds``' estimate, with the five times it is the largest of; ``blocks_per_sm``:
     in a kernel of at most that many blocks per SM (its own registers and shared memory may allow
-    fewer), not its own grid."""
+    fewer), not its own grid; ``matrix_on_chip``: with the reads its rows do not share (a GEMV's
+    matrix) from shared memory, where ``codegen.on_chip`` may keep them."""
     schedule = stage.schedule
+    reduction = _reduction(stage)
+    if matrix_on_chip and reduction is not None:
+        holders = {p.op: k for k, p in enumerate(stage.placeholders)}
+        matrix = {holders[load.tensor.op] for load in _loads(reduction) if indexed_by_last_axis(load, reduction)}
+        stage = dataclasses.replace(stage, on_chip={**stage.on_chip, **dict.fromkeys(matrix - stage.on_chip.keys())})
     occupancy = co_resident_grid(stage_registers(stage), schedule.shared_bytes, device, schedule.threads)
     blocks = occupancy.blocks_per_sm if blocks_per_sm is None else min(occupancy.blocks_per_sm, blocks_per_sm)
     work = _stage_work(stage, 1, min(blocks * device.sms, schedule.n_tiles), blocks,
@@ -300,6 +307,7 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
     else:
         terms, outputs = _reduction_length(reduction), _size(reduction)
         loads = _loads(reduction)
+        staged = staging_steps = staging_barriers = 0  # a staged vector's copy: accesses, steps, barriers
         if template == "thread_reduce":  # one output per thread, the reduction serial
             active = min(threads, outputs)
             lanes = _thread_lanes(reduction, tile * threads)
@@ -325,14 +333,22 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
             on_chip_steps = rows * SHUFFLE_ROUNDS
             if together > 1:  # a load its rows share (a GEMV's vector) is one load for all of them
                 shared = [load for load in loads if not indexed_by_last_axis(load, reduction)]
-                loads_of(shared, lanes, -(-results // together) * per_lane)
+                reads = -(-results // together) * per_lane
+                if schedule.staged_vector:  # copied into shared memory by the block, once a tile
+                    copies = -(-terms // WARP)
+                    loads_of(shared, lanes, copies)
+                    accesses.append(MemoryAccess(f"{reduction.op.name}_vector", "store", "shared", copies, 1))
+                    staged, staging_steps, staging_barriers = len(accesses), 1, 1
+                    accesses.append(MemoryAccess(f"{reduction.op.name}_vector", "load", "shared", reads, 1))
+                else:
+                    loads_of(shared, lanes, reads)
                 loads = [load for load in loads if indexed_by_last_axis(load, reduction)]
         loads_of(loads, lanes, instructions)
-        if all(a.space == "shared" for a in accesses):
-            memory_steps, on_chip_steps = 0, on_chip_steps + steps
+        if all(a.space == "shared" for a in accesses[staged:]):
+            memory_steps, on_chip_steps = staging_steps, on_chip_steps + steps
         else:
-            memory_steps = steps
-        barriers = 0
+            memory_steps = staging_steps + steps
+        barriers = staging_barriers
         if stage.epilogue is None:
             accesses.append(MemoryAccess(reduction.op.name, "store", "global", results, result_sectors))
         else:
@@ -345,7 +361,7 @@ def _stage_work(stage: Stage, executions: int, grid: int, blocks_per_sm: int, dr
                 count = -(-schedule.per_tile // WARP)
                 accesses += [MemoryAccess(reduction.op.name, "store", "shared", results, 1),
                              MemoryAccess(reduction.op.name, "load", "shared", count, 1)]
-                barriers = 2
+                barriers += 2
             loads_of(epilogue, consumer_lanes, count)
             memory_steps += int(bool(epilogue))
             sectors = 1 if consumer_lanes is None else _store_sectors(stage.tensor, consumer_lanes)

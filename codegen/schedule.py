@@ -141,6 +141,9 @@ class StageSchedule:
     # row-resident only: the consecutive columns of a row each lane loads and stores at once
     # (``codegen.row_resident.row_vector``)
     row_vector: int = 1
+    # a GEMV with rows together only: its vector is copied into shared memory once a tile, by
+    # the whole block, for every warp to read (``staged_vector``)
+    staged_vector: bool = False
 
     def __str__(self):
         shared = f", {self.shared_bytes} B shared" if self.shared_bytes else ""
@@ -209,6 +212,9 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     (``_reduce_rows_together``)."""
     sch = s_tir.Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    vector = None
+    if together and epilogue_mode == "shared" and len(blocks) == 3:  # the GEMV's vector, a TE of its own
+        vector, blocks = blocks[0], blocks[1:]
     if epilogue_mode is None:
         block = _only_block(sch)
     elif len(blocks) != 2 or epilogue_mode not in ("register", "shared"):
@@ -260,6 +266,8 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
         sch.bind(tile, "blockIdx.x")
         sch.bind(warp, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
+    if vector is not None:
+        _stage_vector(sch, vector, tile, warps, gpu)
     if sums is not None:
         _accumulate_in_registers(sch, *sums)
     n_tiles = -(-outputs // per_tile)
@@ -282,7 +290,8 @@ def schedule_stage(func: tirx.PrimFunc, gpu: bool, threads: int = THREADS,
     if gpu and epilogue_mode == "shared":
         func = _synchronize_epilogue(func)
     return func, StageSchedule(template, n_tiles, per_tile, threads, outputs, _shared_bytes(sch),
-                               rows_together=1 if sums is None else per_tile // warps)
+                               rows_together=1 if sums is None else per_tile // warps,
+                               staged_vector=vector is not None)
 
 
 def _reduce_rows_together(sch: s_tir.Schedule, block, lane, gpu: bool):
@@ -307,6 +316,19 @@ def _reduce_rows_together(sch: s_tir.Schedule, block, lane, gpu: bool):
     warp = sch.merge(warp, shuffle_warp)
     sch.set_scope(partial, 0, "local")
     return tile, warp, lane, (partial, steps, rows, shuffle_rows)
+
+
+def _stage_vector(sch: s_tir.Schedule, vector, tile, warps: int, gpu: bool):
+    """The GEMV's vector (``staged_vector``) computed into shared memory at the start of each
+    tile by all the block's threads, consecutive lanes on consecutive elements, for the tile's
+    warps to read: every warp reads all of it, from global memory each warp on its own before."""
+    sch.compute_at(vector, tile)
+    flat = sch.fuse(*sch.get_loops(vector)[1:])
+    _, warp, lane = sch.split(flat, [None, warps, WARP])
+    if gpu:
+        sch.bind(warp, "threadIdx.y")
+        sch.bind(lane, "threadIdx.x")
+        sch.set_scope(vector, 0, "shared")
 
 
 def _accumulate_in_registers(sch: s_tir.Schedule, partial, steps, rows, shuffle_rows):
@@ -445,11 +467,13 @@ def schedule_candidates(tensor: te.Tensor, placeholders: list[te.Tensor], gpu: b
         # indexed them through the tile's divisions by 196 and 14, which put them in local memory
         # (112 B, ptxas)
         last = int(reduction.op.axis[-1].dom.extent)
-        for rows in GEMV_ROWS_TOGETHER:
+        staged = staged_vector(tensor)
+        sources = [tensor] + ([staged] if staged is not tensor else [])
+        for rows, source in itertools.product(GEMV_ROWS_TOGETHER, sources):
             if last % (threads // WARP * rows):
                 continue
             try:
-                together.append(_own_schedule(tensor, placeholders, gpu, threads, epilogue_mode, rows))
+                together.append(_own_schedule(source, placeholders, gpu, threads, epilogue_mode, rows))
             except ScheduleError:
                 continue  # tiles of that many rows its epilogue cannot take: not a candidate
     return gemms + [own] + together
@@ -474,9 +498,22 @@ def scaled_operands(tensor: te.Tensor) -> te.Tensor:
     return _operands_gathered(tensor, scaled_only=True)
 
 
-def _operands_gathered(tensor: te.Tensor, scaled_only: bool) -> te.Tensor:
+def staged_vector(tensor: te.Tensor) -> te.Tensor:
+    """``tensor`` (a GEMV's epilogue) with the factor of its reduction's product that its rows
+    share (the vector: not indexed by the last output axis) computed by a TE of its own over the
+    axes it varies with, which ``schedule_stage`` computes into shared memory once a tile
+    (``_stage_vector``); ``tensor`` itself where the product has no such factor."""
+    return _operands_gathered(tensor, scaled_only=False, vector=True)
+
+
+def _operands_gathered(tensor: te.Tensor, scaled_only: bool, vector: bool = False) -> te.Tensor:
     reduction = stage_reduction(tensor)
-    factors = (False, False) if reduction is None else gathered_factors(reduction, scaled_only)
+    if reduction is None:
+        factors = (False, False)
+    elif vector:
+        factors = _vector_factors(reduction)
+    else:
+        factors = gathered_factors(reduction, scaled_only)
     if not any(factors):
         return tensor
     body = reduction.op.body[0]
@@ -518,15 +555,30 @@ def _operands_gathered(tensor: te.Tensor, scaled_only: bool) -> te.Tensor:
                      f"gathering {tensor.op.name}")
 
 
+def _product(reduction: te.Tensor) -> tirx.Mul | None:
+    """The product ``reduction`` sums, where its body is one plain sum of a product; else None."""
+    body = reduction.op.body[0] if len(reduction.op.body) == 1 else None
+    if body is None or len(body.source) != 1 or not _is_true(body.condition) or body.init:
+        return None
+    product = _uncast(body.source[0])
+    return product if isinstance(product, tirx.Mul) else None
+
+
+def _vector_factors(reduction: te.Tensor) -> tuple[bool, bool]:
+    """Which factor of ``reduction``'s product is a GEMV's vector: the one whose loads do not use
+    the last output axis, where the other's do."""
+    if (product := _product(reduction)) is None:
+        return False, False
+    last = reduction.op.axis[-1].var
+    rows = [any(v.same_as(last) for v in tirx.analysis.undefined_vars(f)) for f in (product.a, product.b)]
+    return (not rows[0] and rows[1], rows[0] and not rows[1])
+
+
 def gathered_factors(reduction: te.Tensor, scaled_only: bool = False) -> tuple[bool, bool]:
     """Which factors of ``reduction``'s product ``gathered_operands`` computes as TEs of their own
     (those that read under a condition, unless ``scaled_only``, and those that are a product of
     two loads): none where the body is not one plain sum of a product."""
-    body = reduction.op.body[0] if len(reduction.op.body) == 1 else None
-    if body is None or len(body.source) != 1 or not _is_true(body.condition) or body.init:
-        return False, False
-    product = _uncast(body.source[0])
-    if not isinstance(product, tirx.Mul):
+    if (product := _product(reduction)) is None:
         return False, False
     return tuple((not scaled_only and _conditional(_uncast(f))) or scaled_factors(f) is not None
                  for f in (product.a, product.b))
@@ -760,10 +812,14 @@ def _synchronize_epilogue(func: tirx.PrimFunc) -> tirx.PrimFunc:
     realize = func.body
     root = realize.block
     tile = root.body
-    reduction, epilogue = tile.body.seq
-    sync = tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
-    tile = tirx.For(tile.loop_var, tile.min, tile.extent, tile.kind, tirx.SeqStmt([reduction, sync, epilogue, sync]),
-                    tile.thread_binding, tile.annotations)
+    *vector, reduction, epilogue = tile.body.seq
+
+    def sync():  # one statement each, so that a mutant (scripts/validate_mutants.py) can drop one
+        return tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
+
+    body = [*vector, sync()] * bool(vector) + [reduction, sync(), epilogue, sync()]
+    tile = tirx.For(tile.loop_var, tile.min, tile.extent, tile.kind, tirx.SeqStmt(body), tile.thread_binding,
+                    tile.annotations)
     root = type(root)(root.iter_vars, root.reads, root.writes, root.name_hint, tile, root.init, root.alloc_buffers,
                       root.match_buffers, root.annotations)
     return func.with_body(type(realize)(realize.iter_values, realize.predicate, root))

@@ -138,7 +138,9 @@ class _Stager(Stitcher):
         A100's block). On a tie, the first candidate (with no device, the first), except between
         warp_reduce ones, which differ in the rows a warp reduces together: alone, a GEMV reads
         its weight from DRAM, and they tie on those bytes where the program keeps the weight on
-        chip (paper LSTM's gate product), so the one whose other limits add up to less."""
+        chip (paper LSTM's gate product), so the one whose other limits add up to less with the
+        weight on chip (a vector staged in shared memory saves L1 wavefronts but adds a block
+        barrier and a trip to memory, which pays only once the weight's loads are on chip too)."""
         label = self.unique(name)
         tuned = None if self.database is None else \
             self.database.schedule(label, workload(tensor, placeholders), self.threads, self.device.arch)
@@ -160,7 +162,7 @@ class _Stager(Stitcher):
             seconds = stage_seconds(stage, self.device, traffic)
             if stage.schedule.template != "warp_reduce":
                 return seconds, 0.0
-            return seconds, sum(stage_estimate(stage, self.device, traffic).times.values())
+            return seconds, sum(stage_estimate(stage, self.device, traffic, matrix_on_chip=True).times.values())
 
         costs = {id(stage): cost(stage) for stage in stages}
         fastest = min(stages, key=lambda stage: costs[id(stage)])

@@ -37,6 +37,7 @@ export=(env PYTHONUNBUFFERED=1 "$python" benchmarks/gpu_kernels.py export "$dir"
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models bert swin resnext --variant no-pipeline
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models lstm --variant two-rows-per-warp
 "${export[@]}" --configs paper --levels 4 --precisions fp32 fp16 --models lstm --variant no-on-chip
+"${export[@]}" --configs paper --levels 4 --precisions fp16 --models lstm --variant no-staged-vector
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert swin --variant no-row-resident
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models bert resnext --variant 8-byte-copies
 "${export[@]}" --configs paper --levels 4 --precisions fp16 --models resnext efficientnet --variant dlight-order

@@ -198,6 +198,17 @@ def test_two_rows_per_warp_halves_the_lstm_steps_tiles_and_keeps_its_outputs():
     assert step(run_passes(graph, "cuda", stop="plan_arena", opt_level=4).ir) == (24, 4)
 
 
+def test_no_staged_vector_reads_paper_lstm_s_vector_from_global_memory():
+    def gates(staged):
+        (stage,) = [s for s in staged.stages() if s.schedule.template == "warp_reduce" and "state_next" in s.name]
+        return stage.schedule.rows_together, stage.schedule.staged_vector
+
+    graph = models.build("lstm", "paper")
+    assert gates(run_passes(graph, "cuda", stop="stage", device="h100", precision="fp16").ir) == (4, True)
+    with gpu_variants.applied("no-staged-vector"):
+        assert gates(run_passes(graph, "cuda", stop="stage", device="h100", precision="fp16").ir) == (4, False)
+
+
 def test_occupancy_turns_the_latency_models_occupancy_term_on_for_the_compile():
     from analysis import latency
 
