@@ -139,11 +139,10 @@ def stage_estimate(stage: Stage, device: DeviceModel, traffic: StageTraffic | No
     fewer), not its own grid; ``matrix_on_chip``: with the reads its rows do not share (a GEMV's
     matrix) from shared memory, where ``codegen.on_chip`` may keep them."""
     schedule = stage.schedule
-    reduction = _reduction(stage)
-    if matrix_on_chip and reduction is not None:
+    if matrix_on_chip and (reduction := _reduction(stage)) is not None:
         holders = {p.op: k for k, p in enumerate(stage.placeholders)}
         matrix = {holders[load.tensor.op] for load in _loads(reduction) if indexed_by_last_axis(load, reduction)}
-        stage = dataclasses.replace(stage, on_chip={**stage.on_chip, **dict.fromkeys(matrix - stage.on_chip.keys())})
+        stage = dataclasses.replace(stage, on_chip={**dict.fromkeys(matrix), **stage.on_chip})
     occupancy = co_resident_grid(stage_registers(stage), schedule.shared_bytes, device, schedule.threads)
     blocks = occupancy.blocks_per_sm if blocks_per_sm is None else min(occupancy.blocks_per_sm, blocks_per_sm)
     work = _stage_work(stage, 1, min(blocks * device.sms, schedule.n_tiles), blocks,

@@ -805,7 +805,8 @@ def _flatten_shared_epilogue(sch: s_tir.Schedule, producer, epilogue, n_spatial:
 
 def _synchronize_epilogue(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` (a shared epilogue's stage) with a block barrier between the tile's reduction and
-    its epilogue, and one after the epilogue. Threads read results other threads wrote, and the
+    its epilogue, and one after the epilogue (and, where the tile first copies a GEMV's vector,
+    ``_stage_vector``, one after the copy). Threads read results other threads wrote, and the
     next tile overwrites them; TVM's barrier insertion takes a shared-memory access at the same
     index as the same thread's and would leave out the first barrier where a warp reads only the
     results written by its own first lane (rows of ``WARP`` elements)."""
@@ -817,7 +818,7 @@ def _synchronize_epilogue(func: tirx.PrimFunc) -> tirx.PrimFunc:
     def sync():  # one statement each, so that a mutant (scripts/validate_mutants.py) can drop one
         return tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
 
-    body = [*vector, sync()] * bool(vector) + [reduction, sync(), epilogue, sync()]
+    body = ([*vector, sync()] if vector else []) + [reduction, sync(), epilogue, sync()]
     tile = tirx.For(tile.loop_var, tile.min, tile.extent, tile.kind, tirx.SeqStmt(body), tile.thread_binding,
                     tile.annotations)
     root = type(root)(root.iter_vars, root.reads, root.writes, root.name_hint, tile, root.init, root.alloc_buffers,
